@@ -1,0 +1,97 @@
+"""Side-by-side timing helpers for ``benchmarks/``.
+
+Every benchmark module ``bench_*.py`` defines ``run(quick: bool) -> list[Section]``.
+Rows are measured side by side in one process and reported as ratios to a
+baseline, never as absolute pass/fail thresholds in tests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def best_time(fn, *args, min_time: float = 0.2, repeat: int = 5) -> float:
+    """Best-of-``repeat`` seconds per call of ``fn(*args)``, auto-ranged."""
+    fn(*args)  # warm up (and JIT)
+    number = 1
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn(*args)
+        dt = time.perf_counter() - t0
+        if dt >= min_time / repeat or number >= 1 << 20:
+            break
+        number *= 4
+    times = [dt / number]
+    for _ in range(repeat - 1):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn(*args)
+        times.append((time.perf_counter() - t0) / number)
+    return min(times)
+
+
+def compile_time(build) -> tuple[float, object]:
+    """Seconds to run ``build()`` (graph construction + pytensor.function + first call)."""
+    t0 = time.perf_counter()
+    out = build()
+    return time.perf_counter() - t0, out
+
+
+def fresh_compile_cache():
+    """Make PyTensor/Numba compile again (clear in-memory caches of the linker).
+
+    On-disk caches persist between runs, which is how users experience
+    re-compiles; we report that number.
+    """
+
+
+@dataclass
+class Target:
+    description: str
+    ratio: float
+    goal: float  # the target ratio; met when ratio >= goal
+
+    @property
+    def met(self) -> bool:
+        return bool(np.isfinite(self.ratio) and self.ratio >= self.goal)
+
+
+@dataclass
+class Section:
+    title: str
+    columns: list[str]
+    rows: list[list] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
+    notes: str = ""
+
+    def to_markdown(self) -> str:
+        out = [f"## {self.title}", ""]
+        if self.notes:
+            out += [self.notes, ""]
+        out.append("| " + " | ".join(self.columns) + " |")
+        out.append("|" + "---|" * len(self.columns))
+        for r in self.rows:
+            out.append("| " + " | ".join(_fmt(v) for v in r) + " |")
+        if self.targets:
+            out += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
+            for t in self.targets:
+                out.append(f"| {t.description} | {t.ratio:.3g}x | >= {t.goal:g}x | {'yes' if t.met else '**no**'} |")
+        return "\n".join(out) + "\n"
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "n/a"
+        if abs(v) >= 100:
+            return f"{v:.0f}"
+        return f"{v:.3g}"
+    return str(v)
+
+
+def ms(seconds: float) -> float:
+    return seconds * 1e3

@@ -1,0 +1,84 @@
+"""The fused-loop Op pattern shared by every iterops Op.
+
+Each algorithm lives in one module holding
+
+* a **kernel**: a plain NumPy-subset function jitted once with ``numba.njit``
+  (``cache=True``).  It is the single implementation of the algorithm.  It
+  never raises: failure is a value (NaN, ``-inf``) so that samplers reject the
+  point;
+* a **core Op** on core dimensions (``gufunc_signature``, ``__props__``,
+  ``infer_shape``) deriving from :class:`FusedOp`.  Its :meth:`FusedOp.numba_fn`
+  returns a jitted entry point (casts + kernel call) which is what ``perform``
+  calls *and* what PyTensor's Numba backend inlines, so both run the same
+  machine code;
+* a gradient written with public functions (``pullback`` / ``pushforward``);
+* a lowercase public function that validates shapes and dtypes at graph-build
+  time and wraps the core Op in ``Blockwise`` for leading batch dimensions.
+
+:func:`register_fused_op` registers the Op with PyTensor's Numba dispatch
+(with a props-based cache key, so compiled graphs are cached on disk).  Without
+that registration the Numba linker falls back to object mode.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+from pytensor.graph.basic import Apply
+from pytensor.graph.op import Op
+from pytensor.link.numba.dispatch.basic import register_funcify_default_op_cache_key
+
+__all__ = ["FusedOp", "register_fused_op", "entry_point"]
+
+
+class FusedOp(Op):
+    """Base class of iterops' fused-loop core Ops.
+
+    Subclasses implement ``make_node``, ``infer_shape``, ``pullback`` and
+    :meth:`numba_fn`; ``perform`` is inherited.
+    """
+
+    #: bump when a kernel's semantics change, to invalidate on-disk caches
+    kernel_version: int = 1
+
+    def numba_fn(self, node: Apply):
+        """Return the jitted callable ``f(*inputs) -> output | tuple(outputs)``.
+
+        Must return arrays of exactly the node's output dtypes and ndims.
+        Implementations memoize on (props, dtypes) via :func:`entry_point`.
+        """
+        raise NotImplementedError
+
+    def perform(self, node, inputs, output_storage):
+        fn = self.numba_fn(node)
+        result = fn(*inputs)
+        if len(node.outputs) == 1:
+            result = (result,)
+        for storage, value, out in zip(output_storage, result, node.outputs):
+            storage[0] = np.asarray(value, dtype=out.type.dtype)
+
+
+def register_fused_op(op_type):
+    """Class decorator: register ``op_type`` with PyTensor's Numba backend."""
+
+    @register_funcify_default_op_cache_key(op_type)
+    def _numba_funcify(op, node=None, **kwargs):
+        return op.numba_fn(node), op.kernel_version
+
+    return op_type
+
+
+def entry_point(builder):
+    """Memoize a factory of jitted entry points on its (hashable) arguments.
+
+    ``builder(*static_args)`` returns a ``numba.njit`` function.  Entry points
+    are thin: they cast inputs to the working precision, call the module's
+    kernel and cast back, so compiling them is cheap while the kernel itself
+    is cached on disk.
+    """
+    return cache(builder)
+
+
+def dtype_name(var) -> str:
+    return var.type.dtype if hasattr(var, "type") else np.dtype(var).name

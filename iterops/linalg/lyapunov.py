@@ -1,0 +1,348 @@
+r"""Discrete Lyapunov equation: one fused Numba kernel with exact implicit gradients.
+
+Solves
+
+.. math::  A X A^H - X + Q = 0
+
+(the convention of :func:`scipy.linalg.solve_discrete_lyapunov` and
+:func:`pytensor.tensor.linalg.solve_discrete_lyapunov`).  For a stable ``A``
+(spectral radius below one) the solution is the infinite sum
+:math:`X = \sum_k A^k Q (A^H)^k`: the stationary covariance of
+``x_{t+1} = A x_t + e_t`` with ``Cov(e) = Q``.
+
+Methods
+-------
+``"doubling"``
+    Smith's doubling iteration (the loop of seed 003 and quantecon)::
+
+        alpha, gamma = A, Q
+        repeat: gamma <- gamma + alpha gamma alpha^H ; alpha <- alpha alpha
+        until max|gamma_new - gamma| <= tol * max|gamma_new|
+
+    Quadratic convergence when the spectral radius is below one: the k-th
+    iterate holds the first 2^k terms of the sum.
+``"schur"``
+    Direct (Kitagawa / Bartels-Stewart): complex Schur form ``A = U T U^H``,
+    then the triangular equation ``T Y T^H - Y + U^H Q U = 0`` is solved
+    column by column in O(n^3), ``X = U Y U^H``.  Backward stable, accurate
+    next to the unit circle and valid for unstable ``A`` as long as no
+    eigenvalue pair has ``lambda_i conj(lambda_j) = 1``.
+``"auto"`` (default)
+    Doubling, accepted if it converged within ``max_iter`` iterations and its
+    relative residual is below ``100 * eps``; otherwise the Schur method.
+
+Failure is a value: non-finite input, an (almost) singular equation
+(``|lambda_i conj(lambda_j) - 1| < 1e3 * eps``), or non-convergence give an
+all-NaN ``X`` (``on_failure="nan"``, the default, so that a sampler rejects
+the point) or raise ``FloatingPointError`` (``on_failure="raise"``).
+
+Precision: float64 and complex128 compute natively; float32 (and integer)
+inputs are solved in float64 and the result is cast to the output dtype
+(float32 in, float32 out).
+
+Gradients (implicit function theorem; Kao & Hennequin 2020, eq. 10-11 for the
+Sylvester family): with output cotangent ``X_bar`` the adjoint ``S`` solves the
+same equation with ``A^H`` and ``X_bar``,
+
+.. math::  A^H S A - S + \bar X = 0,\qquad \bar Q = S,\qquad
+           \bar A = S A X^H + S^H A X ,
+
+computed by :func:`iterops._implicit.implicit_pullback` from the residual, with
+``S`` obtained from this Op itself, so second derivatives work.  Forward mode
+solves ``A dX A^H - dX + (dA X A^H + A X dA^H + dQ) = 0`` with the same Op.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numba
+from numba import types
+from numba.extending import overload
+import numpy as np
+import pytensor.tensor as pt
+from pytensor.graph.basic import Apply
+from pytensor.link.numba.dispatch.linalg.decomposition.schur import schur_complex
+from pytensor.tensor.blockwise import Blockwise
+from pytensor.tensor.variable import TensorVariable
+
+from iterops._fused import FusedOp, entry_point, register_fused_op
+from iterops._implicit import implicit_pullback, implicit_pushforward
+from iterops._validate import as_tensor, check_dim_match, check_square, float_dtype
+
+__all__ = ["solve_discrete_lyapunov", "DiscreteLyapunov", "lyapunov_kernel"]
+
+_METHODS = {"auto": 0, "doubling": 1, "schur": 2}
+_ON_FAILURE = ("nan", "raise")
+
+# ---------------------------------------------------------------------------
+# Kernel (the single implementation)
+# ---------------------------------------------------------------------------
+
+
+@numba.njit(cache=True)
+def _ct(M):
+    """Conjugate transpose, contiguous."""
+    return np.ascontiguousarray(M.conj().T)
+
+
+@numba.njit(cache=True)
+def _doubling(A, Q, tol, max_iter):
+    """Smith's doubling; returns (X, converged)."""
+    alpha = np.ascontiguousarray(A)
+    gamma = np.ascontiguousarray(Q).copy()
+    for _ in range(max_iter):
+        new_gamma = gamma + (alpha @ gamma) @ _ct(alpha)
+        alpha = alpha @ alpha
+        diff = np.max(np.abs(new_gamma - gamma))
+        scale = np.max(np.abs(new_gamma))
+        gamma = new_gamma
+        if not np.isfinite(diff) or not np.isfinite(scale):
+            return gamma, False
+        if diff <= tol * scale:
+            return gamma, True
+    return gamma, False
+
+
+@numba.njit(cache=True)
+def _schur(A, Q):
+    """Kitagawa's direct method on the complex Schur form; returns (X, ok)."""
+    n = A.shape[0]
+    T, Z = schur_complex(A.astype(np.complex128), None, False)
+    T = np.ascontiguousarray(T)
+    U = np.ascontiguousarray(Z)
+    Uh = _ct(U)
+    C = Uh @ (np.ascontiguousarray(Q).astype(np.complex128) @ U)
+    Y = np.zeros((n, n), dtype=np.complex128)
+    w = np.empty(n, dtype=np.complex128)
+    rhs = np.empty(n, dtype=np.complex128)
+    sing = 1e3 * np.finfo(np.float64).eps
+    for j in range(n - 1, -1, -1):
+        # column j: (conj(T_jj) T - I) y_j = -c_j - T w_j,  w_j = sum_{l>j} conj(T_jl) y_l
+        for i in range(n):
+            acc = 0j
+            for l in range(j + 1, n):
+                acc += np.conj(T[j, l]) * Y[i, l]
+            w[i] = acc
+        for i in range(n):
+            acc = 0j
+            for k in range(i, n):
+                acc += T[i, k] * w[k]
+            rhs[i] = -C[i, j] - acc
+        tjj = np.conj(T[j, j])
+        for i in range(n - 1, -1, -1):  # back substitution, upper triangular
+            acc = rhs[i]
+            for k in range(i + 1, n):
+                acc -= tjj * T[i, k] * Y[k, j]
+            d = tjj * T[i, i] - 1.0
+            if np.abs(d) < sing:
+                return np.full((n, n), np.nan + 0j), False
+            Y[i, j] = acc / d
+    X = U @ (Y @ Uh)
+    return X, True
+
+
+def _as_dtype_of(Z, like):
+    """``Z`` (complex) in the dtype of ``like``: its real part for a real ``like``."""
+    return Z.real if np.isrealobj(like) else Z
+
+
+@overload(_as_dtype_of)
+def _as_dtype_of_impl(Z, like):
+    if isinstance(like.dtype, types.Complex):
+        return lambda Z, like: Z
+    return lambda Z, like: Z.real
+
+
+@numba.njit(cache=True)
+def _relative_residual(A, Q, X):
+    R = (A @ X) @ _ct(A) - X + Q
+    nA = np.max(np.abs(A))
+    nX = np.max(np.abs(X))
+    return np.max(np.abs(R)) / max(nA * nA * nX + nX + np.max(np.abs(Q)), 1e-300)
+
+
+@numba.njit(cache=True)
+def lyapunov_kernel(A, Q, method, tol, max_iter):
+    """Solve ``A X A^H - X + Q = 0`` for one (n, n) system.
+
+    ``A``, ``Q``: float64 or complex128 (same dtype), shape (n, n).
+    ``method``: 0 auto, 1 doubling, 2 schur.  ``tol <= 0`` means machine
+    precision.  Returns ``(X, ok)``; ``X`` is all-NaN when ``ok`` is False.
+    """
+    n = A.shape[0]
+    X = np.full((n, n), np.nan, dtype=A.dtype)
+    if n == 0:
+        return X, True
+    if not (np.all(np.isfinite(A)) and np.all(np.isfinite(Q))):
+        return X, False
+    eps = np.finfo(np.float64).eps
+    if tol <= 0.0:
+        tol = eps
+    if method != 2:
+        Xd, conv = _doubling(A, Q, tol, max_iter)
+        if conv and (method == 1 or _relative_residual(A, Q, Xd) <= 100.0 * eps):
+            return Xd, True
+        if method == 1:
+            return X, False
+    Xs, ok = _schur(A, Q)
+    if not ok:
+        return X, False
+    X[:] = _as_dtype_of(Xs, X)
+    if not np.all(np.isfinite(X)):
+        return np.full((n, n), np.nan, dtype=A.dtype), False
+    return X, True
+
+
+# ---------------------------------------------------------------------------
+# Op
+# ---------------------------------------------------------------------------
+
+
+@entry_point
+def _lyapunov_entry(work_dtype: str, out_dtype: str, method: int, tol: float, max_iter: int, raise_: bool):
+    work = np.dtype(work_dtype).type
+    out = np.dtype(out_dtype).type
+
+    @numba.njit
+    def solve(A, Q):
+        X, ok = lyapunov_kernel(A.astype(work), Q.astype(work), method, tol, max_iter)
+        if raise_ and not ok:
+            raise FloatingPointError("solve_discrete_lyapunov: no (unique, finite) solution found")
+        return X.astype(out)
+
+    return solve
+
+
+@register_fused_op
+class DiscreteLyapunov(FusedOp):
+    """Core Op: ``(n,n),(n,n)->(n,n)``; use :func:`solve_discrete_lyapunov`."""
+
+    __props__ = ("method", "tol", "max_iter", "on_failure")
+    gufunc_signature = "(n,n),(n,n)->(n,n)"
+
+    def __init__(self, method="auto", tol=0.0, max_iter=100, on_failure="nan"):
+        self.method = method
+        self.tol = float(tol)
+        self.max_iter = int(max_iter)
+        self.on_failure = on_failure
+
+    def make_node(self, A, Q):
+        A, Q = pt.as_tensor_variable(A), pt.as_tensor_variable(Q)
+        n = A.type.shape[-1] if A.type.shape[-1] is not None else Q.type.shape[-1]
+        X = pt.tensor(dtype=float_dtype(A, Q), shape=(n, n))
+        return Apply(self, [A, Q], [X])
+
+    def infer_shape(self, node, input_shapes):
+        return [input_shapes[0]]
+
+    def numba_fn(self, node):
+        out = node.outputs[0].type.dtype
+        work = "complex128" if out.startswith("complex") else "float64"
+        return _lyapunov_entry(work, out, _METHODS[self.method], self.tol, self.max_iter, self.on_failure == "raise")
+
+    def _same_equation(self, A, Q):
+        return Blockwise(type(self)(**self._props_dict()))(A, Q)
+
+    def pullback(self, inputs, outputs, cotangents):
+        A, Q = inputs
+        (X,) = outputs
+        (X_bar,) = cotangents
+        # (dF/dX)^H lam = rhs  <=>  A^H lam A - lam = rhs  <=>  lam = lyap(A^H, -rhs)
+        return implicit_pullback(
+            _residual, X, [A, Q], X_bar,
+            solve_adjoint=lambda rhs: self._same_equation(A.conj().mT, -rhs),
+        )
+
+    def pushforward(self, inputs, outputs, tangents):
+        A, Q = inputs
+        (X,) = outputs
+        # (dF/dX) y = rhs  <=>  A y A^H - y = rhs  <=>  y = lyap(A, -rhs)
+        return [
+            implicit_pushforward(
+                _residual, X, [A, Q], tangents,
+                solve_tangent=lambda rhs: self._same_equation(A, -rhs),
+            )
+        ]
+
+
+def _residual(X, A, Q):
+    """F(X; A, Q) = A X A^H - X + Q."""
+    return A @ X @ A.conj().mT - X + Q
+
+
+# ---------------------------------------------------------------------------
+# Public function
+# ---------------------------------------------------------------------------
+
+
+def solve_discrete_lyapunov(
+    A,
+    Q,
+    method: Literal["auto", "doubling", "schur"] = "auto",
+    *,
+    tol: float | None = None,
+    max_iter: int = 100,
+    on_failure: Literal["nan", "raise"] = "nan",
+) -> TensorVariable:
+    r"""Solve the discrete Lyapunov equation :math:`A X A^H - X + Q = 0` for ``X``.
+
+    One fused Numba kernel; gradients by the implicit function theorem.
+
+    Parameters
+    ----------
+    A : tensor, shape (..., n, n)
+        Transition matrix.  float32, float64 or complex128.
+    Q : tensor, shape (..., n, n)
+        Right-hand side (a covariance for the stationary-covariance use).
+        Leading dimensions of ``A`` and ``Q`` broadcast.
+    method : {"auto", "doubling", "schur"}
+        See the module docstring.  ``"doubling"`` requires spectral radius < 1.
+    tol : float, optional
+        Relative stopping tolerance of the doubling iteration
+        (``max|gamma_new - gamma| <= tol * max|gamma_new|``); machine epsilon
+        by default.
+    max_iter : int
+        Maximum doubling iterations (each doubles the number of summed terms).
+    on_failure : {"nan", "raise"}
+        ``"nan"``: an all-NaN ``X`` when there is no unique finite solution, the
+        iteration did not converge or the input is not finite (samplers reject
+        the point).  ``"raise"``: raise ``FloatingPointError`` at run time.
+
+    Returns
+    -------
+    X : tensor, shape (broadcast(...), n, n)
+
+    Replaces the Scan users write for the doubling loop::
+
+        def step(alpha, gamma, tol):
+            new_gamma = gamma + alpha @ gamma @ alpha.T
+            return (alpha @ alpha, new_gamma), until(pt.max(pt.abs(new_gamma - gamma)) < tol)
+        (_, gammas), _ = pytensor.scan(step, outputs_info=[A, Q], non_sequences=[tol], n_steps=100)
+        X = gammas[-1]
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor.tensor as pt, iterops
+    >>> A = pt.matrix("A"); Q = pt.matrix("Q")
+    >>> X = iterops.solve_discrete_lyapunov(A, Q)
+    >>> X.eval({A: [[0.5, 0.1], [0.0, 0.3]], Q: np.eye(2)}).round(4)
+    array([[1.3531, 0.0181],
+           [0.0181, 1.0989]])
+    """
+    func = "solve_discrete_lyapunov"
+    if method not in _METHODS:
+        raise ValueError(f"{func}: method must be one of {sorted(_METHODS)}, got {method!r}")
+    if on_failure not in _ON_FAILURE:
+        raise ValueError(f"{func}: on_failure must be one of {_ON_FAILURE}, got {on_failure!r}")
+    if int(max_iter) < 1:
+        raise ValueError(f"{func}: max_iter must be >= 1, got {max_iter}")
+    if tol is not None and not (float(tol) >= 0.0):
+        raise ValueError(f"{func}: tol must be >= 0, got {tol}")
+    A = as_tensor(func, "A", A, min_ndim=2)
+    Q = as_tensor(func, "Q", Q, min_ndim=2)
+    check_square(func, "A", A)
+    check_square(func, "Q", Q)
+    check_dim_match(func, "A", A.type.shape[-1], "Q", Q.type.shape[-1], "A and Q must have the same n (last dimension)")
+    op = DiscreteLyapunov(method=method, tol=tol or 0.0, max_iter=max_iter, on_failure=on_failure)
+    return Blockwise(op)(A, Q)
