@@ -28,8 +28,10 @@ import numpy as np
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.link.numba.dispatch.basic import register_funcify_default_op_cache_key
+from pytensor.tensor.blockwise import Blockwise
+from pytensor.tensor.utils import _parse_gufunc_signature
 
-__all__ = ["FusedOp", "register_fused_op", "entry_point"]
+__all__ = ["FusedOp", "apply_batched", "register_fused_op", "entry_point"]
 
 
 class FusedOp(Op):
@@ -57,6 +59,20 @@ class FusedOp(Op):
             result = (result,)
         for storage, value, out in zip(output_storage, result, node.outputs):
             storage[0] = np.asarray(value, dtype=out.type.dtype)
+
+
+def apply_batched(op: Op, *inputs):
+    """Apply core ``op``; through ``Blockwise`` only when some input has batch dimensions.
+
+    Unbatched calls keep the core Op in the graph, so its own ``pushforward``
+    is used by forward-mode autodiff (``Blockwise`` has no pushforward in
+    PyTensor 3.3; batched forward mode goes through PyTensor's default
+    double-pullback, which uses our ``pullback``).
+    """
+    in_sig, _ = _parse_gufunc_signature(op.gufunc_signature)
+    if all(x.type.ndim == len(sig) for x, sig in zip(inputs, in_sig)):
+        return op(*inputs)
+    return Blockwise(op)(*inputs)
 
 
 def register_fused_op(op_type):

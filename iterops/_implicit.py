@@ -67,6 +67,11 @@ def implicit_pullback(
         disconnected_inputs="ignore",
         return_disconnected="disconnected",
     )
+    # A parameter entering F linearly gets ``lam`` itself as cotangent, which is
+    # also an intermediate of the other cotangents.  PyTensor's double-pullback
+    # pushforward (``pullback`` with several ``f`` sharing ancestors) then
+    # overrides instead of accumulating, so hand out distinct variables.
+    grads = [g if isinstance(g.type, DisconnectedType) or g is not lam else pt.tensor_copy(g) for g in grads]
     return _substitute(grads, {x: solution})
 
 
@@ -86,8 +91,10 @@ def implicit_pushforward(
         return disconnected_type()
     x = pt.as_tensor_variable(solution).type()
     F = residual(x, *params)
-    wrt, tans = zip(*pairs)
-    dF = pushforward(F, list(wrt), list(tans), disconnected_outputs="ignore")
+    # One pushforward per parameter, summed: PyTensor 3.3's double-pullback
+    # pushforward drops terms when a parameter enters the residual linearly
+    # (its pullback is the cotangent itself), so never pass several at once.
+    dF = sum(pushforward(F, p, t, disconnected_outputs="ignore") for p, t in pairs)
     (dF,) = _substitute([dF], {x: solution})
     return solve_tangent(-dF)
 

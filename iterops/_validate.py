@@ -18,10 +18,15 @@ def as_tensor(func: str, name: str, x, *, min_ndim: int = 0, allow_int: bool = T
     try:
         x = pt.as_tensor_variable(x)
     except (TypeError, ValueError) as err:
-        raise TypeError(f"{func}: {name} must be a tensor-like array, got {type(x).__name__}: {err}") from None
+        dtype = getattr(x, "dtype", None)
+        raise TypeError(
+            f"{func}: {name} must be a numeric tensor-like array, got {type(x).__name__}"
+            + (f" with dtype {dtype}" if dtype is not None else "")
+            + f" ({err})"
+        ) from None
     kind = x.type.numpy_dtype.kind
     if kind not in _NUMERIC_KINDS or (not allow_int and kind in "biu"):
-        raise TypeError(f"{func}: {name} must have a numeric floating dtype, got dtype {x.type.dtype}")
+        raise TypeError(f"{func}: {name} must have a numeric dtype, got {name} with dtype {x.type.dtype}")
     if x.type.ndim < min_ndim:
         raise ValueError(
             f"{func}: {name} must have at least {min_ndim} dimensions, got {name} with ndim {x.type.ndim} "

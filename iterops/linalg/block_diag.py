@@ -25,10 +25,9 @@ import numpy as np
 import pytensor.tensor as pt
 from pytensor.gradient import DisconnectedType, disconnected_type
 from pytensor.graph.basic import Apply
-from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.variable import TensorVariable
 
-from iterops._fused import FusedOp, entry_point, register_fused_op
+from iterops._fused import FusedOp, apply_batched, entry_point, register_fused_op
 from iterops._validate import as_tensor
 
 __all__ = ["block_diag", "BlockDiag", "block_diag_kernel"]
@@ -93,7 +92,7 @@ class BlockDiag(FusedOp):
         (t,) = tangents
         if isinstance(t.type, DisconnectedType):
             return [disconnected_type()]
-        return [Blockwise(self)(t)]
+        return [apply_batched(self, t)]
 
 
 def block_diag(*x) -> TensorVariable:
@@ -140,4 +139,4 @@ def block_diag(*x) -> TensorVariable:
             f"{func}: x must have shape (..., k, n, m) with ndim >= 3, got x with shape {x.type.shape}; "
             "pass several matrices as separate arguments"
         )
-    return Blockwise(BlockDiag())(x)
+    return apply_batched(BlockDiag(), x)

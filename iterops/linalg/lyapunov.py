@@ -63,10 +63,9 @@ import numpy as np
 import pytensor.tensor as pt
 from pytensor.graph.basic import Apply
 from pytensor.link.numba.dispatch.linalg.decomposition.schur import schur_complex
-from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.variable import TensorVariable
 
-from iterops._fused import FusedOp, entry_point, register_fused_op
+from iterops._fused import FusedOp, apply_batched, entry_point, register_fused_op
 from iterops._implicit import implicit_pullback, implicit_pushforward
 from iterops._validate import as_tensor, check_dim_match, check_square, float_dtype
 
@@ -206,6 +205,9 @@ def _lyapunov_entry(work_dtype: str, out_dtype: str, method: int, tol: float, ma
 
     @numba.njit
     def solve(A, Q):
+        n = A.shape[0]
+        if A.shape[1] != n or Q.shape[0] != n or Q.shape[1] != n:
+            raise ValueError("solve_discrete_lyapunov: A and Q must both be (n, n) with the same n")
         X, ok = lyapunov_kernel(A.astype(work), Q.astype(work), method, tol, max_iter)
         if raise_ and not ok:
             raise FloatingPointError("solve_discrete_lyapunov: no (unique, finite) solution found")
@@ -242,7 +244,7 @@ class DiscreteLyapunov(FusedOp):
         return _lyapunov_entry(work, out, _METHODS[self.method], self.tol, self.max_iter, self.on_failure == "raise")
 
     def _same_equation(self, A, Q):
-        return Blockwise(type(self)(**self._props_dict()))(A, Q)
+        return apply_batched(self, A, Q)
 
     def pullback(self, inputs, outputs, cotangents):
         A, Q = inputs
@@ -345,4 +347,4 @@ def solve_discrete_lyapunov(
     check_square(func, "Q", Q)
     check_dim_match(func, "A", A.type.shape[-1], "Q", Q.type.shape[-1], "A and Q must have the same n (last dimension)")
     op = DiscreteLyapunov(method=method, tol=tol or 0.0, max_iter=max_iter, on_failure=on_failure)
-    return Blockwise(op)(A, Q)
+    return apply_batched(op, A, Q)

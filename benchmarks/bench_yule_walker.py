@@ -1,0 +1,127 @@
+"""Yule-Walker family: fused Levinson-Durbin / lattice kernels vs dense solve, Scan and statsmodels.
+
+Rows per AR order p:
+
+* ``yule_walker`` forward + gradient (``phi``, ``sigma2`` and d(w.phi + sigma2)/d acov):
+  iterops vs (a) PyTensor's dense solve of the Toeplitz system (O(p^3)) and
+  (b) Durbin's recursion as a ``pytensor.scan`` (autodiff through the Scan);
+  forward vs ``statsmodels.tsa.stattools.levinson_durbin``.
+* ``pacf_to_ar`` forward + gradient: iterops vs the step-up recursion as a
+  ``pytensor.scan``; forward vs ``statsmodels.tsa.stattools.levinson_durbin_pacf``.
+  There is no dense-solve formulation of this map, so no dense row.
+
+All PyTensor functions use the default (Numba) linker and ``trust_input``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+from statsmodels.tsa.arima_process import arma_acovf
+from statsmodels.tsa.stattools import levinson_durbin as sm_levinson_durbin
+from statsmodels.tsa.stattools import levinson_durbin_pacf as sm_levinson_durbin_pacf
+
+from benchmarks._harness import Section, Target, best_time, ms
+from iterops.ts import pacf_to_ar, yule_walker
+from iterops.ts.toeplitz import toeplitz_matrix
+
+
+def _durbin_scan(acov, p):
+    """Reference: Durbin's recursion as a Scan over the order k (what users write today)."""
+    j = pt.arange(p)
+
+    def step(k, prev, v):
+        num = acov[k] - pt.sum(pt.where(j < k - 1, prev * acov[pt.maximum(k - 1 - j, 0)], 0.0))
+        kap = num / v
+        rev = prev[pt.maximum(k - 2 - j, 0)]
+        new = pt.where(j < k - 1, prev - kap * rev, pt.where(pt.eq(j, k - 1), kap, 0.0))
+        return new, v * (1 - kap**2)
+
+    phis, vs = pytensor.scan(
+        step, sequences=[pt.arange(1, p + 1)], outputs_info=[pt.zeros(p), acov[0]], return_updates=False
+    )
+    return phis[-1], vs[-1]
+
+
+def _step_up_scan(pacf, p):
+    """Reference: the step-up recursion pacf -> AR as a Scan over the order k."""
+    j = pt.arange(p)
+
+    def step(k, kap, prev):
+        rev = prev[pt.maximum(k - 2 - j, 0)]
+        return pt.where(j < k - 1, prev - kap * rev, pt.where(pt.eq(j, k - 1), kap, 0.0))
+
+    phis = pytensor.scan(step, sequences=[pt.arange(1, p + 1), pacf], outputs_info=[pt.zeros(p)], return_updates=False)
+    return phis[-1]
+
+
+def _dense_yw(acov, p):
+    phi = pt.linalg.solve(toeplitz_matrix(acov[:p]), acov[1 : p + 1], assume_a="pos")
+    return phi, acov[0] - pt.dot(acov[1 : p + 1], phi)
+
+
+def _fn(inputs, outputs):
+    f = pytensor.function(inputs, outputs)
+    f.trust_input = True
+    return f
+
+
+def _with_grad(x, phi, sigma2, w):
+    cost = pt.dot(w, phi) + (0.0 if sigma2 is None else sigma2)
+    return _fn([x], [phi, pytensor.grad(cost, x)] + ([] if sigma2 is None else [sigma2]))
+
+
+def run(quick: bool) -> list[Section]:
+    orders = [2, 10, 50, 200]
+    min_time, repeat = (0.05, 3) if quick else (0.2, 5)
+    rng = np.random.default_rng(0)
+    yw = Section(
+        title="Yule-Walker (Levinson-Durbin): forward + gradient, and forward vs statsmodels",
+        columns=[
+            "p", "iterops fwd+grad (ms)", "dense solve (ms)", "Scan (ms)", "x vs dense", "x vs Scan",
+            "iterops fwd (ms)", "statsmodels fwd (ms)", "x vs statsmodels",
+        ],
+        notes="acov of a random stationary AR(p) (pacf uniform on (-0.5, 0.5)); gradient of w.phi + sigma2 with respect to acov.",
+    )
+    lat = Section(
+        title="pacf_to_ar (stationary AR reparametrization): forward + gradient, and forward vs statsmodels",
+        columns=["p", "iterops fwd+grad (ms)", "Scan (ms)", "x vs Scan", "iterops fwd (ms)", "statsmodels fwd (ms)", "x vs statsmodels"],
+        notes="statsmodels: levinson_durbin_pacf (also returns the acf).  No dense-solve formulation exists for this map.",
+    )
+    for p in orders:
+        pacf = rng.uniform(-0.5, 0.5, size=p)  # well-conditioned Toeplitz even at p=200
+        phi_true = sm_levinson_durbin_pacf(np.r_[1.0, pacf]).arcoefs
+        acov = arma_acovf(np.r_[1.0, -phi_true], [1.0], nobs=p + 1, sigma2=1.0)
+        w = pt.as_tensor(rng.normal(size=p))
+
+        a = pt.vector("acov")
+        f_ours = _with_grad(a, *yule_walker(a, p), w)
+        f_dense = _with_grad(a, *_dense_yw(a, p), w)
+        f_scan = _with_grad(a, *_durbin_scan(a, p), w)
+        f_fwd = _fn([a], list(yule_walker(a, p)))
+        ref = f_dense(acov)
+        for f in (f_ours, f_scan):  # same numbers before timing
+            np.testing.assert_allclose(f(acov)[1], ref[1], rtol=1e-5, atol=1e-7 * np.abs(ref[1]).max())
+        t_ours, t_dense, t_scan = (best_time(f, acov, min_time=min_time, repeat=repeat) for f in (f_ours, f_dense, f_scan))
+        t_fwd = best_time(f_fwd, acov, min_time=min_time, repeat=repeat)
+        t_sm = best_time(lambda g: sm_levinson_durbin(g, nlags=p, isacov=True), acov, min_time=min_time, repeat=repeat)
+        yw.rows.append([p, ms(t_ours), ms(t_dense), ms(t_scan), t_dense / t_ours, t_scan / t_ours, ms(t_fwd), ms(t_sm), t_sm / t_fwd])
+        yw.targets.append(Target(f"yule_walker fwd+grad vs Scan, p={p}", t_scan / t_ours, 5))
+        yw.targets.append(Target(f"yule_walker fwd vs statsmodels, p={p}", t_sm / t_fwd, 1))
+        if p == 200:
+            yw.targets.append(Target("yule_walker fwd+grad vs dense solve, p=200", t_dense / t_ours, 10))
+
+        k = pt.vector("pacf")
+        g_ours = _with_grad(k, pacf_to_ar(k), None, w)
+        g_scan = _with_grad(k, _step_up_scan(k, p), None, w)
+        g_fwd = _fn([k], pacf_to_ar(k))
+        np.testing.assert_allclose(g_ours(pacf)[1], g_scan(pacf)[1], rtol=1e-6, atol=1e-9)
+        t_ours, t_scan = (best_time(f, pacf, min_time=min_time, repeat=repeat) for f in (g_ours, g_scan))
+        t_fwd = best_time(g_fwd, pacf, min_time=min_time, repeat=repeat)
+        lag0 = np.r_[1.0, pacf]
+        t_sm = best_time(sm_levinson_durbin_pacf, lag0, min_time=min_time, repeat=repeat)
+        lat.rows.append([p, ms(t_ours), ms(t_scan), t_scan / t_ours, ms(t_fwd), ms(t_sm), t_sm / t_fwd])
+        lat.targets.append(Target(f"pacf_to_ar fwd+grad vs Scan, p={p}", t_scan / t_ours, 5))
+        lat.targets.append(Target(f"pacf_to_ar fwd vs statsmodels, p={p}", t_sm / t_fwd, 1))
+    return [yw, lat]

@@ -1,0 +1,458 @@
+"""The main job: fit real state-space models in PyMC with iterops, and with Scans.
+
+    scripts/dev demo                       # defaults: a few minutes on 2 cores
+    scripts/dev demo --draws 1000 --tune 1000 --chains 4 --cores 4
+    scripts/dev demo --sampler pymc --output my_folder
+
+Two models on data that ships with statsmodels (no downloads):
+
+``nile``
+    The local-level model on the Nile river flow (annual, 1871-1970)::
+
+        y_t = mu_t + eps_t,        eps_t ~ N(0, sigma_obs^2)
+        mu_t+1 = mu_t + eta_t,     eta_t ~ N(0, sigma_level^2)
+
+    with an approximately diffuse start ``mu_1 ~ N(y_1, 1e6)``.
+``inflation``
+    US quarterly CPI inflation (statsmodels' macrodata, 1959-2009) as a mean
+    plus a stationary AR(2) signal plus measurement noise::
+
+        y_t = mean + x_t + eps_t,                        eps_t ~ N(0, sigma_obs^2)
+        x_t = phi_1 x_t-1 + phi_2 x_t-2 + eta_t,         eta_t ~ N(0, sigma_state^2)
+
+    Stationarity comes from the parametrisation (partial autocorrelations
+    ``pacf`` in (-1, 1): ``phi_1 = pacf_1 (1 - pacf_2)``, ``phi_2 = pacf_2``), and
+    the initial state covariance is the stationary one, ``P0 = T P0 T' + R Q R'``,
+    from :func:`iterops.solve_discrete_lyapunov`.
+
+Each model is written twice: with ``iterops.ts.kalman_filter`` (one fused
+Numba Op and its hand-written adjoint) and the way PyMC users write it today:
+a ``pytensor.scan`` Kalman filter (:func:`scan_kalman_filter`) with PyTensor's
+own ``solve_discrete_lyapunov``.  Both are sampled in the same run with the same
+NUTS sampler (nutpie when installed, as ``pm.sample`` does by default; PyMC's
+NUTS otherwise or with ``--sampler pymc``); the summary table reports compile
+time (everything ``pm.sample`` does before the first draw), sampling wall time
+and bulk effective sample size per second (``arviz.ess``, minimum over the
+parameters).  Figures go to ``--output`` (default ``demo_output/``):
+posteriors (both implementations overlaid: they agree), filtered and smoothed
+states with 95% bands over the data, and the timing bar chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+
+import iterops
+
+__all__ = [
+    "load_nile",
+    "load_inflation",
+    "local_level_model",
+    "ar2_noise_model",
+    "scan_kalman_filter",
+    "MODELS",
+    "main",
+]
+
+# ---------------------------------------------------------------------------
+# Data (shipped with statsmodels)
+# ---------------------------------------------------------------------------
+
+
+def load_nile():
+    """Nile flow at Aswan, 1871-1970 (10^8 m^3): ``(years, y)`` with y of shape (100,)."""
+    import statsmodels.api as sm
+
+    df = sm.datasets.nile.load_pandas().data
+    return df["year"].to_numpy(), df["volume"].to_numpy(dtype=float)
+
+
+def load_inflation():
+    """US CPI inflation, quarterly 1959Q1-2009Q3 (annualized %): ``(time, y)``, y (203,)."""
+    import statsmodels.api as sm
+
+    df = sm.datasets.macrodata.load_pandas().data
+    t = df["year"].to_numpy() + (df["quarter"].to_numpy() - 1) / 4
+    return t, df["infl"].to_numpy(dtype=float)
+
+
+# ---------------------------------------------------------------------------
+# The Scan Kalman filter users write today
+# ---------------------------------------------------------------------------
+
+
+def scan_kalman_filter(y, a0, P0, c, d, T, Z, R, H, Q):
+    """A plain ``pytensor.scan`` Kalman filter (time-invariant system, no missing data).
+
+    The loop ``iterops.ts.kalman_filter`` replaces, written as in pymc-extras'
+    ``StandardFilter`` and most PyMC state-space examples.  Shapes as in
+    :func:`iterops.ts.kalman_filter`; returns ``(loglik, loglik_obs,
+    filtered_state, filtered_cov)``.
+    """
+    y = pt.as_tensor(y)
+    p = y.shape[-1]
+
+    def step(y_t, a, P, c, d, T, Z, R, H, Q):
+        v = y_t - d - Z @ a
+        F = Z @ P @ Z.T + H
+        F_inv = pt.linalg.inv(F)
+        K = P @ Z.T @ F_inv
+        ll = -0.5 * (p * np.log(2 * np.pi) + pt.log(pt.linalg.det(F)) + v @ F_inv @ v)
+        a_f = a + K @ v
+        IKZ = pt.eye(a.shape[0]) - K @ Z
+        P_f = IKZ @ P @ IKZ.T + K @ H @ K.T
+        return T @ a_f + c, T @ P_f @ T.T + R @ Q @ R.T, a_f, P_f, ll
+
+    _, _, a_f, P_f, ll = pytensor.scan(
+        step,
+        sequences=[y],
+        outputs_info=[pt.as_tensor(a0), pt.as_tensor(P0), None, None, None],
+        non_sequences=[pt.as_tensor(x) for x in (c, d, T, Z, R, H, Q)],
+        strict=True,
+        return_updates=False,
+    )
+    return ll.sum(), ll, a_f, P_f
+
+
+def _filter(impl, y, a0, P0, c, d, T, Z, R, H, Q):
+    if impl == "iterops":
+        return iterops.ts.kalman_filter(y, a0, P0, c, d, T, Z, R, H, Q).loglik
+    if impl == "scan":
+        return scan_kalman_filter(y, a0, P0, c, d, T, Z, R, H, Q)[0]
+    raise ValueError(f"impl must be 'iterops' or 'scan', got {impl!r}")
+
+
+# ---------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------
+
+
+def local_level_system(sigma_obs, sigma_level, y0, diffuse=1e6):
+    """``(a0, P0, c, d, T, Z, R, H, Q)`` of the local-level model (m = p = r = 1)."""
+    def one():
+        return pt.ones((1, 1))
+
+    return (
+        pt.as_tensor([float(y0)]), diffuse * one(), pt.zeros(1), pt.zeros(1), one(), one(), one(),
+        pt.reshape(sigma_obs**2, (1, 1)), pt.reshape(sigma_level**2, (1, 1)),
+    )
+
+
+def local_level_model(y, impl="iterops"):
+    """PyMC local-level model of ``y`` (n,); parameters ``sigma_obs``, ``sigma_level``."""
+    import pymc as pm
+
+    y = np.asarray(y, dtype=float)
+    scale = float(np.std(np.diff(y)))
+    with pm.Model(coords={"time": np.arange(len(y))}) as model:
+        sigma_obs = pm.HalfNormal("sigma_obs", 2 * scale)
+        sigma_level = pm.HalfNormal("sigma_level", 2 * scale)
+        system = local_level_system(sigma_obs, sigma_level, y[0])
+        pm.Potential("loglik", _filter(impl, y[:, None], *system))
+    return model
+
+
+def ar2_noise_system(mean, pacf, sigma_state, sigma_obs, lyapunov=iterops.solve_discrete_lyapunov):
+    """``(phi, (a0, P0, c, d, T, Z, R, H, Q))`` of the AR(2)-plus-noise model (m = 2, p = r = 1)."""
+    phi1 = pacf[0] * (1 - pacf[1])
+    phi2 = pacf[1]
+    T = pt.stack([pt.stack([phi1, phi2]), pt.stack([pt.constant(1.0), pt.constant(0.0)])])
+    R = pt.as_tensor([[1.0], [0.0]])
+    Q = pt.reshape(sigma_state**2, (1, 1))
+    P0 = lyapunov(T, R @ Q @ R.T)
+    system = (
+        pt.zeros(2), P0, pt.zeros(2), pt.reshape(mean, (1,)), T, pt.as_tensor([[1.0, 0.0]]), R,
+        pt.reshape(sigma_obs**2, (1, 1)), Q,
+    )
+    return pt.stack([phi1, phi2]), system
+
+
+def ar2_noise_model(y, impl="iterops"):
+    """PyMC AR(2)-plus-noise model with stationary initialization (see module docstring).
+
+    ``impl="iterops"``: ``iterops.solve_discrete_lyapunov`` + ``iterops.ts.kalman_filter``;
+    ``impl="scan"``: PyTensor's ``solve_discrete_lyapunov`` + :func:`scan_kalman_filter`.
+    """
+    import pymc as pm
+
+    y = np.asarray(y, dtype=float)
+    sd = float(np.std(y))
+    lyapunov = iterops.solve_discrete_lyapunov if impl == "iterops" else pt.linalg.solve_discrete_lyapunov
+    with pm.Model() as model:
+        mean = pm.Normal("mean", float(np.mean(y)), sd)
+        pacf = pm.Uniform("pacf", -1.0, 1.0, shape=2)
+        sigma_state = pm.HalfNormal("sigma_state", sd)
+        sigma_obs = pm.HalfNormal("sigma_obs", sd / 2)
+        phi, system = ar2_noise_system(mean, pacf, sigma_state, sigma_obs, lyapunov)
+        pm.Deterministic("phi", phi)
+        pm.Potential("loglik", _filter(impl, y[:, None], *system))
+    return model
+
+
+@dataclass
+class DemoModel:
+    name: str
+    title: str
+    load: object
+    build: object
+    params: tuple
+    units: str
+
+
+MODELS = {
+    "nile": DemoModel("nile", "Nile flow: local level", load_nile, local_level_model,
+                      ("sigma_obs", "sigma_level"), "10^8 m^3"),
+    "inflation": DemoModel("inflation", "US inflation: AR(2) + noise, stationary start", load_inflation,
+                           ar2_noise_model, ("mean", "pacf", "sigma_state", "sigma_obs"), "% p.a."),
+}
+
+
+# ---------------------------------------------------------------------------
+# States at posterior draws (batched filter + smoother)
+# ---------------------------------------------------------------------------
+
+
+def _system_at_draws(spec: DemoModel, post, y):
+    """System matrices with a leading batch axis of posterior draws (numpy in, tensors out)."""
+    if spec.name == "nile":
+        so, sl = post["sigma_obs"], post["sigma_level"]
+        k = len(so)
+        one = np.ones((k, 1, 1))
+        return (np.full((k, 1), y[0]), 1e6 * one, np.zeros((k, 1)), np.zeros((k, 1)), one, one, one,
+                so[:, None, None] ** 2, sl[:, None, None] ** 2)
+    mean, pacf = post["mean"], post["pacf"]
+    ss, so = post["sigma_state"], post["sigma_obs"]
+    phi1, phi2 = pacf[:, 0] * (1 - pacf[:, 1]), pacf[:, 1]
+    k = len(mean)
+    T = np.zeros((k, 2, 2))
+    T[:, 0, 0], T[:, 0, 1], T[:, 1, 0] = phi1, phi2, 1.0
+    R = np.broadcast_to(np.array([[1.0], [0.0]]), (k, 2, 1))
+    Q = ss[:, None, None] ** 2
+    P0 = iterops.solve_discrete_lyapunov(T, R @ Q @ np.swapaxes(R, -1, -2))
+    Z = np.broadcast_to(np.array([[1.0, 0.0]]), (k, 1, 2))
+    return (np.zeros((k, 2)), P0, np.zeros((k, 2)), mean[:, None], T, Z, R, so[:, None, None] ** 2, Q)
+
+
+def state_bands(spec: DemoModel, idata, y, n_draws=200, seed=0):
+    """Filtered (and smoothed, when iterops has a smoother) signal: mean and sd over draws.
+
+    Runs the fused filter once for ``n_draws`` posterior draws at a time (a batch
+    dimension), then mixes: mean of means, variance = mean of variances + variance
+    of means.  The plotted signal is ``d + Z alpha_t`` (level / mean + AR signal).
+    """
+    post = idata.posterior.to_dataset().stack(sample=("chain", "draw"))
+    rng = np.random.default_rng(seed)
+    idx = rng.choice(post.sizes["sample"], size=min(n_draws, post.sizes["sample"]), replace=False)
+    draws = {p: np.moveaxis(post[p].values, -1, 0)[idx] for p in spec.params}
+    system = _system_at_draws(spec, draws, y)
+    yb = y[:, None]
+    res = iterops.ts.kalman_filter(yb, *system)
+    d = system[3]
+    out = {}
+    kinds = [("filtered", res.filtered_state, res.filtered_cov)]
+    if hasattr(iterops.ts, "kalman_smoother"):
+        sm = iterops.ts.kalman_smoother(yb, *system)
+        kinds.append(("smoothed", sm.smoothed_state, sm.smoothed_cov))
+    fn = pytensor.function([], [x for _, s, c in kinds for x in (s, c)])
+    vals = fn()
+    for i, (kind, _, _) in enumerate(kinds):
+        state, cov = vals[2 * i], vals[2 * i + 1]
+        mu = state[..., 0] + np.asarray(d)[:, :1]  # (draws, n)
+        var = cov[..., 0, 0]
+        m = mu.mean(0)
+        out[kind] = (m, np.sqrt(var.mean(0) + mu.var(0)))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Sampling and timing
+# ---------------------------------------------------------------------------
+
+
+def default_sampler() -> str:
+    return "nutpie" if importlib.util.find_spec("nutpie") is not None else "pymc"
+
+
+@dataclass
+class Run:
+    model: str
+    impl: str
+    sampler: str
+    compile_s: float
+    sample_s: float
+    ess_bulk_min: float
+    idata: object = None
+
+    @property
+    def ess_per_s(self) -> float:
+        return self.ess_bulk_min / self.sample_s if self.sample_s > 0 else float("nan")
+
+
+def fit(model, *, sampler, draws, tune, chains, cores, seed, progressbar=True, params=None):
+    """``pm.sample`` with timing: returns ``(idata, compile_s, sample_s, min bulk ESS)``.
+
+    ``sample_s`` is the sampler's own ``sampling_time``; ``compile_s`` is the rest
+    of ``pm.sample``'s wall time (compiling logp and gradient, initial point).
+    """
+    import arviz as az
+    import pymc as pm
+
+    t0 = time.perf_counter()
+    with model, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        idata = pm.sample(draws=draws, tune=tune, chains=chains, cores=cores, random_seed=seed,
+                          nuts_sampler=sampler, progressbar=progressbar, compute_convergence_checks=False)
+    total = time.perf_counter() - t0
+    post = idata.posterior.to_dataset()
+    sample_s = float(post.attrs.get("sampling_time", total))
+    ess = az.ess(post[list(params)] if params else post, method="bulk")
+    ess_min = float(min(np.min(ess[v].values) for v in ess.data_vars))
+    return idata, total - sample_s, sample_s, ess_min
+
+
+# ---------------------------------------------------------------------------
+# Figures and table
+# ---------------------------------------------------------------------------
+
+
+def summary_table(runs: list[Run]) -> str:
+    head = f"{'model':<10} {'impl':<8} {'sampler':<7} {'compile s':>9} {'sample s':>9} {'min ESS':>8} {'ESS/s':>8}"
+    lines = [head, "-" * len(head)]
+    for r in runs:
+        lines.append(f"{r.model:<10} {r.impl:<8} {r.sampler:<7} {r.compile_s:9.1f} {r.sample_s:9.1f} "
+                     f"{r.ess_bulk_min:8.0f} {r.ess_per_s:8.1f}")
+    by = {(r.model, r.impl): r for r in runs}
+    for name in dict.fromkeys(r.model for r in runs):
+        a, b = by.get((name, "iterops")), by.get((name, "scan"))
+        if a and b:
+            lines.append(f"{name}: iterops vs scan: ESS/s x{a.ess_per_s / b.ess_per_s:.1f}, "
+                         f"compile time x{b.compile_s / max(a.compile_s, 1e-9):.1f} shorter, "
+                         f"sampling x{b.sample_s / max(a.sample_s, 1e-9):.1f} faster")
+    return "\n".join(lines)
+
+
+def plot_posteriors(spec: DemoModel, runs: list[Run], path: Path):
+    import matplotlib.pyplot as plt
+
+    cols = []
+    ref = runs[0].idata.posterior.to_dataset()
+    for p in spec.params:
+        extra = ref[p].dims[2:]
+        if extra:
+            cols += [(p, {extra[0]: i}) for i in range(ref[p].shape[2])]
+        else:
+            cols.append((p, {}))
+    fig, axes = plt.subplots(1, len(cols), figsize=(3.2 * len(cols), 2.8))
+    for ax, (p, sel) in zip(np.atleast_1d(axes), cols):
+        for r, color in zip(runs, ("C0", "C1")):
+            v = r.idata.posterior.to_dataset()[p].isel(sel).values.ravel()
+            ax.hist(v, bins=30, density=True, alpha=0.5, color=color, label=r.impl)
+        ax.set_title(p + (f"[{list(sel.values())[0]}]" if sel else ""))
+        ax.set_yticks([])
+    np.atleast_1d(axes)[0].legend()
+    fig.suptitle(f"{spec.title}: posterior")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_states(spec: DemoModel, t, y, bands, path: Path):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    ax.plot(t, y, "k.", ms=3, label="data")
+    for (kind, (m, s)), color in zip(bands.items(), ("C0", "C3")):
+        ax.plot(t, m, color=color, lw=1.2, label=f"{kind} (posterior mean)")
+        ax.fill_between(t, m - 1.96 * s, m + 1.96 * s, color=color, alpha=0.2, label=f"{kind} 95% band")
+    ax.set_ylabel(spec.units)
+    ax.set_title(f"{spec.title}: signal given the data")
+    ax.legend(fontsize=8, ncols=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_timing(runs: list[Run], path: Path):
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r.model}\n{r.impl}" for r in runs]
+    colors = ["C0" if r.impl == "iterops" else "C1" for r in runs]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for ax, (title, vals) in zip(axes, [("compile time (s)", [r.compile_s for r in runs]),
+                                        ("sampling wall time (s)", [r.sample_s for r in runs]),
+                                        ("bulk ESS per second", [r.ess_per_s for r in runs])]):
+        ax.bar(labels, vals, color=colors)
+        ax.set_title(title)
+        ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle(f"iterops vs pytensor.scan ({runs[0].sampler} NUTS)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m iterops.demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--sampler", choices=["auto", "pymc", "nutpie"], default="auto",
+                        help="NUTS implementation (auto: nutpie when installed, as pm.sample does)")
+    parser.add_argument("--draws", type=int, default=500)
+    parser.add_argument("--tune", type=int, default=500)
+    parser.add_argument("--chains", type=int, default=2)
+    parser.add_argument("--cores", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--no-scan", action="store_true", help="skip the pytensor.scan comparison")
+    parser.add_argument("--no-progressbar", action="store_true")
+    parser.add_argument("--output", default="demo_output", help="folder for the figures and summary")
+    args = parser.parse_args(argv)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    sampler = default_sampler() if args.sampler == "auto" else args.sampler
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    impls = ["iterops"] if args.no_scan else ["iterops", "scan"]
+    print(f"iterops {iterops.__version__} demo: models {args.models}, NUTS sampler {sampler}, "
+          f"{args.chains} chains x ({args.tune} tune + {args.draws} draws); output in {out}/", flush=True)
+
+    runs: list[Run] = []
+    for name in args.models:
+        spec = MODELS[name]
+        t, y = spec.load()
+        model_runs = []
+        for impl in impls:
+            print(f"\n== {spec.title} [{impl}] ==", flush=True)
+            idata, c_s, s_s, ess = fit(spec.build(y, impl), sampler=sampler, draws=args.draws, tune=args.tune,
+                                       chains=args.chains, cores=args.cores, seed=args.seed,
+                                       progressbar=not args.no_progressbar, params=spec.params)
+            run = Run(name, impl, sampler, c_s, s_s, ess, idata)
+            print(f"   compile {c_s:.1f} s, sampling {s_s:.1f} s, min bulk ESS {ess:.0f} "
+                  f"({run.ess_per_s:.1f}/s)", flush=True)
+            model_runs.append(run)
+        runs += model_runs
+        plot_posteriors(spec, model_runs, out / f"{name}_posterior.png")
+        plot_states(spec, t, y, state_bands(spec, model_runs[0].idata, y), out / f"{name}_states.png")
+    plot_timing(runs, out / "timing.png")
+    table = summary_table(runs)
+    (out / "summary.txt").write_text(table + "\n")
+    print("\n" + table)
+    print(f"\nfigures: {', '.join(sorted(p.name for p in out.glob('*.png')))} in {out}/")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""Helpers shared by pattern entries: stop rules and outer-graph proofs."""
+
+from __future__ import annotations
+
+import pytensor.tensor as pt
+from pytensor.graph.basic import Constant
+from pytensor.graph.fg import FunctionGraph
+from pytensor.graph.rewriting.utils import rewrite_graph
+from pytensor.tensor.basic import ARange
+from pytensor.tensor.subtensor import Subtensor, indices_from_subtensor
+
+from iterops.fusion.matcher import constant_value
+
+__all__ = ["CONVERGENCE_STOPS", "provably_equal", "is_counter_sequence", "strip_leading_slices", "static_square"]
+
+
+def _max_abs(d):
+    return pt.max(pt.abs(d))
+
+
+#: The convergence stops users write, as ``stop(new, old, tol) -> condition``:
+#: the max-abs or Frobenius norm of the change below ``tol`` (strict or not),
+#: with either sign of the difference.
+CONVERGENCE_STOPS = tuple(
+    rule
+    for diff in (lambda new, old: new - old, lambda new, old: old - new)
+    for rule in (
+        lambda new, old, tol, diff=diff: _max_abs(diff(new, old)) < tol,
+        lambda new, old, tol, diff=diff: _max_abs(diff(new, old)) <= tol,
+        lambda new, old, tol, diff=diff: pt.all(pt.abs(diff(new, old)) < tol),
+        lambda new, old, tol, diff=diff: pt.linalg.norm(diff(new, old)) < tol,
+    )
+)
+
+
+def provably_equal(a, b) -> bool:
+    """True when the scalar graphs ``a`` and ``b`` are equal for every input.
+
+    Proof by canonicalization: ``eq(a, b)`` folds to the constant 1 when the
+    two sides merge (same computation, or equal static shapes).
+    """
+    a, b = pt.as_tensor_variable(a), pt.as_tensor_variable(b)
+    ca, cb = constant_value(a), constant_value(b)
+    if ca is not None and cb is not None:
+        return ca == cb
+    fg = FunctionGraph(outputs=[pt.eq(a, b)], clone=True, copy_inputs=False)
+    rewrite_graph(fg, include=("ShapeOpt", "canonicalize"), exclude=("iterops",))
+    out = fg.outputs[0]
+    return isinstance(out, Constant) and bool(out.data)
+
+
+def strip_leading_slices(v):
+    """``x[s0:][:s1]...`` -> (x, [slices]): look through the slicing Scan adds to sequences."""
+    slices = []
+    while v.owner is not None and isinstance(v.owner.op, Subtensor):
+        idx = indices_from_subtensor(v.owner.inputs[1:], v.owner.op.idx_list)
+        if len(idx) != 1 or not isinstance(idx[0], slice):
+            break
+        slices.append(idx[0])
+        v = v.owner.inputs[0]
+    return v, slices
+
+
+def starts_at_zero(slices) -> bool:
+    return all(
+        (s.start is None or constant_value(s.start) == 0) and (s.step is None or constant_value(s.step) == 1)
+        for s in slices
+    )
+
+
+def is_counter_sequence(seq) -> str | None:
+    """``seq`` gives 0, 1, 2, ... at steps 0, 1, 2, ... (``arange(k)`` as a Scan sequence)?
+
+    Returns None if so, else a reason.
+    """
+    base, slices = strip_leading_slices(seq)
+    if base.owner is None or not isinstance(base.owner.op, ARange):
+        return "the loop index is not a sequence pt.arange(k)"
+    start, _stop, step = base.owner.inputs
+    if constant_value(start) != 0 or constant_value(step) != 1 or not starts_at_zero(slices):
+        return "the loop index sequence does not count 0, 1, 2, ..."
+    return None
+
+
+def static_square(name, x) -> str | None:
+    r, c = x.type.shape[-2:]
+    if r is not None and c is not None and r != c:
+        return f"{name} is not square (static shape {x.type.shape})"
+    return None

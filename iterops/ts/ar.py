@@ -1,0 +1,619 @@
+r"""Stationary AR(p) maps: partial autocorrelations <-> AR coefficients -> autocovariances.
+
+Convention: ``x_t = sum_{j=1}^p phi_j x_{t-j} + e_t``, ``Var(e_t) = sigma2``, AR
+polynomial ``1 - sum_j phi_j z^j`` (statsmodels' ``ar=np.r_[1, -phi]``).
+
+The Durbin-Levinson lattice links the partial autocorrelations
+``pacf = (kappa_1, ..., kappa_p)`` to the AR(k) coefficients ``phi_{k,.}`` of
+every order ``k`` (Barndorff-Nielsen & Schou 1973; Monahan 1984, eq. 2.2):
+
+.. math::
+    \phi_{k,k} = \kappa_k,\qquad \phi_{k,j} = \phi_{k-1,j} - \kappa_k\,\phi_{k-1,k-j}
+    \quad (j < k)  \qquad\text{("step-up")}
+
+and, inverted,
+
+.. math::
+    \phi_{k-1,j} = \frac{\phi_{k,j} + \kappa_k\,\phi_{k,k-j}}{1-\kappa_k^2}
+    \qquad\text{("step-down")}.
+
+``phi = phi_{p,.}`` is stationary (all roots of the AR polynomial outside the
+unit circle) if and only if every ``|kappa_k| < 1``, so :func:`pacf_to_ar` maps
+the open cube ``(-1, 1)^p`` one-to-one onto the stationary region: put a prior
+on ``pacf`` (e.g. ``2 * Beta - 1`` or ``tanh`` of a Normal) and get stationary
+AR coefficients.  :func:`ar_to_pacf` is its inverse.  The stationary
+autocovariances follow from the same lattice (:func:`ar_to_acov`):
+
+.. math::
+    \gamma_0 = \frac{\sigma^2}{\prod_k (1-\kappa_k^2)},\qquad
+    \gamma_m = \sum_{j=1}^{\min(m,p)} \phi_{\min(m,p),j}\,\gamma_{m-j}\quad(m \ge 1).
+
+All three are O(p^2) loops in one fused Numba kernel each, batched over
+leading dimensions.
+
+Failure is a value: ``|pacf_k| >= 1`` (pacf_to_ar), a non-stationary ``phi``
+(ar_to_pacf, ar_to_acov) or non-finite input give an all-NaN result.
+
+Gradients: hand-written reverse (and forward) passes of the lattice recursions,
+in fused kernels (:class:`ARDerivative`).  The step-up adjoint
+
+.. math::
+    \bar\kappa_k = \bar\phi_{k,k} - \sum_{j<k} \bar\phi_{k,j}\,\phi_{k-1,k-j},\qquad
+    \bar\phi_{k-1,i} = \bar\phi_{k,i} - \kappa_k\,\bar\phi_{k,k-i}
+
+uses only stored forward levels and no division, so the gradient of
+:func:`pacf_to_ar` is exact and stable as ``|pacf| -> 1``.  The step-down
+adjoint (ar_to_pacf, ar_to_acov) carries the factor ``1/(1-kappa_k^2)`` that
+the map itself has.  First derivatives in reverse and forward mode are exact;
+the derivative Ops are linear in the (co)tangent and differentiate as such, but
+second derivatives with respect to the primal input are not implemented
+(requesting them raises PyTensor's ``NullTypeGradError``).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytensor.tensor as pt
+from pytensor.gradient import DisconnectedType, disconnected_type, grad_not_implemented
+from pytensor.graph.basic import Apply
+from pytensor.tensor.variable import TensorVariable
+
+from iterops._fused import FusedOp, apply_batched, entry_point, register_fused_op
+from iterops._validate import as_tensor, float_dtype
+
+__all__ = [
+    "pacf_to_ar",
+    "ar_to_pacf",
+    "ar_to_acov",
+    "PacfToAR",
+    "ARToPacf",
+    "ARToAcov",
+    "ARDerivative",
+]
+
+# ---------------------------------------------------------------------------
+# Kernels.  Levels: A[k, :k+1] holds phi_{k+1, 1..k+1} (0-based rows).
+# ---------------------------------------------------------------------------
+
+
+@numba.njit(cache=True)
+def _pacf_ok(kappa):
+    for k in range(kappa.shape[0]):
+        if not (np.abs(kappa[k]) < 1.0):  # also catches NaN
+            return False
+    return True
+
+
+@numba.njit(cache=True)
+def _step_up(kappa):
+    """Levels of the step-up recursion from ``kappa`` (p,)."""
+    p = kappa.shape[0]
+    A = np.zeros((p, p))
+    for k in range(p):
+        for j in range(k):
+            A[k, j] = A[k - 1, j] - kappa[k] * A[k - 1, k - 1 - j]
+        A[k, k] = kappa[k]
+    return A
+
+
+@numba.njit(cache=True)
+def _step_up_vjp(kappa, A, phi_bar):
+    """Cotangent of ``kappa`` given the cotangent ``phi_bar`` of the last level."""
+    p = kappa.shape[0]
+    g = phi_bar.copy()  # cotangent of level k (first k+1 entries)
+    prev = np.zeros(p)
+    kappa_bar = np.zeros(p)
+    for k in range(p - 1, -1, -1):
+        kb = g[k]
+        prev[:k] = 0.0
+        for j in range(k):
+            kb -= g[j] * A[k - 1, k - 1 - j]
+            prev[j] += g[j]
+            prev[k - 1 - j] -= kappa[k] * g[j]
+        kappa_bar[k] = kb
+        g[:k] = prev[:k]
+    return kappa_bar
+
+
+@numba.njit(cache=True)
+def _step_up_jvp(kappa, A, kappa_dot):
+    """Tangent of the last level given ``kappa_dot``."""
+    p = kappa.shape[0]
+    d = np.zeros(p)
+    new = np.zeros(p)
+    for k in range(p):
+        for j in range(k):
+            new[j] = d[j] - kappa_dot[k] * A[k - 1, k - 1 - j] - kappa[k] * d[k - 1 - j]
+        new[k] = kappa_dot[k]
+        d[: k + 1] = new[: k + 1]
+    return d
+
+
+@numba.njit(cache=True)
+def _step_down(phi):
+    """(kappa, levels, ok): the step-down recursion from ``phi`` (p,)."""
+    p = phi.shape[0]
+    A = np.zeros((p, p))
+    kappa = np.zeros(p)
+    if p == 0:
+        return kappa, A, True
+    A[p - 1, :] = phi
+    for k in range(p - 1, -1, -1):
+        kap = A[k, k]
+        if not (np.abs(kap) < 1.0):
+            return kappa, A, False
+        kappa[k] = kap
+        d = 1.0 - kap * kap
+        for j in range(k):
+            A[k - 1, j] = (A[k, j] + kap * A[k, k - 1 - j]) / d
+    return kappa, A, True
+
+
+@numba.njit(cache=True)
+def _step_down_vjp(A, kappa_bar, level_bar):
+    """Cotangent of ``phi`` given cotangents of ``kappa`` and of every level."""
+    p = kappa_bar.shape[0]
+    g = np.zeros(p)  # cotangent of level k-1 (first k entries)
+    new = np.zeros(p)
+    for k in range(p):
+        for j in range(k + 1):
+            new[j] = level_bar[k, j]
+        new[k] += kappa_bar[k]
+        kap = A[k, k]
+        d = 1.0 - kap * kap
+        for j in range(k):  # A[k-1, j] = (A[k, j] + kap A[k, k-1-j]) / d
+            gj = g[j] / d
+            new[j] += gj
+            new[k - 1 - j] += kap * gj
+            new[k] += gj * (A[k, k - 1 - j] + 2.0 * kap * A[k - 1, j])
+        g[: k + 1] = new[: k + 1]
+    return g
+
+
+@numba.njit(cache=True)
+def _step_down_jvp(A, phi_dot):
+    """(kappa_dot, level tangents) given ``phi_dot``."""
+    p = phi_dot.shape[0]
+    D = np.zeros((p, p))
+    kappa_dot = np.zeros(p)
+    if p == 0:
+        return kappa_dot, D
+    D[p - 1, :] = phi_dot
+    for k in range(p - 1, -1, -1):
+        kap = A[k, k]
+        kd = D[k, k]
+        kappa_dot[k] = kd
+        d = 1.0 - kap * kap
+        for j in range(k):
+            D[k - 1, j] = (D[k, j] + kd * A[k, k - 1 - j] + kap * D[k, k - 1 - j] + 2.0 * kap * kd * A[k - 1, j]) / d
+    return kappa_dot, D
+
+
+@numba.njit(cache=True)
+def _acov(kappa, A, sigma2, nlags):
+    """gamma_0..gamma_nlags from the lattice levels."""
+    p = kappa.shape[0]
+    gam = np.zeros(nlags + 1)
+    prod = 1.0
+    for k in range(p):
+        prod *= 1.0 - kappa[k] * kappa[k]
+    gam[0] = sigma2 / prod
+    for m in range(1, nlags + 1):
+        q = min(m, p)
+        acc = 0.0
+        for j in range(1, q + 1):
+            acc += A[q - 1, j - 1] * gam[m - j]
+        gam[m] = acc
+    return gam
+
+
+@numba.njit(cache=True)
+def _acov_vjp(kappa, A, gam, gam_bar):
+    """(kappa_bar, level_bar) of ``_acov`` with sigma2 fixed."""
+    p = kappa.shape[0]
+    nlags = gam.shape[0] - 1
+    gb = gam_bar.copy()
+    level_bar = np.zeros((p, p))
+    for m in range(nlags, 0, -1):
+        q = min(m, p)
+        for j in range(1, q + 1):
+            level_bar[q - 1, j - 1] += gb[m] * gam[m - j]
+            gb[m - j] += gb[m] * A[q - 1, j - 1]
+    kappa_bar = np.zeros(p)
+    for k in range(p):  # gamma_0 = sigma2 / prod(1 - kappa^2)
+        kappa_bar[k] = gb[0] * gam[0] * 2.0 * kappa[k] / (1.0 - kappa[k] * kappa[k])
+    return kappa_bar, level_bar
+
+
+@numba.njit(cache=True)
+def _acov_jvp(kappa, A, gam, kappa_dot, D):
+    """Tangent of ``_acov`` (sigma2 fixed) given kappa and level tangents."""
+    p = kappa.shape[0]
+    nlags = gam.shape[0] - 1
+    gd = np.zeros(nlags + 1)
+    s = 0.0
+    for k in range(p):
+        s += 2.0 * kappa[k] * kappa_dot[k] / (1.0 - kappa[k] * kappa[k])
+    gd[0] = gam[0] * s
+    for m in range(1, nlags + 1):
+        q = min(m, p)
+        acc = 0.0
+        for j in range(1, q + 1):
+            acc += D[q - 1, j - 1] * gam[m - j] + A[q - 1, j - 1] * gd[m - j]
+        gd[m] = acc
+    return gd
+
+
+@numba.njit(cache=True)
+def pacf_to_ar_kernel(kappa):
+    """AR(p) coefficients from partial autocorrelations; NaN unless all |kappa| < 1."""
+    p = kappa.shape[0]
+    if not _pacf_ok(kappa):
+        return np.full(p, np.nan)
+    if p == 0:
+        return np.zeros(0)
+    return _step_up(kappa)[p - 1].copy()
+
+
+@numba.njit(cache=True)
+def ar_to_pacf_kernel(phi):
+    """Partial autocorrelations of a stationary AR(p); NaN if ``phi`` is not stationary."""
+    kappa, A, ok = _step_down(phi)
+    if not ok:
+        return np.full(phi.shape[0], np.nan)
+    return kappa
+
+
+@numba.njit(cache=True)
+def ar_to_acov_kernel(phi, sigma2, nlags):
+    """gamma_0..gamma_nlags of a stationary AR(p); NaN if not stationary or not finite."""
+    kappa, A, ok = _step_down(phi)
+    if not ok or not np.isfinite(sigma2):
+        return np.full(nlags + 1, np.nan)
+    return _acov(kappa, A, sigma2, nlags)
+
+
+@numba.njit(cache=True)
+def ar_derivative_kernel(fn, mode, x, v, nlags):
+    """Linearizations of the three maps at ``x``; ``v`` is the (co)tangent.
+
+    fn: 0 pacf_to_ar, 1 ar_to_pacf, 2 ar_to_acov (with sigma2 = 1);
+    mode: 0 vjp, 1 jvp.  NaN where the map itself fails.
+    """
+    p = x.shape[0]
+    n_out = p if (fn != 2 or mode == 0) else nlags + 1
+    if fn == 0:
+        if not _pacf_ok(x):
+            return np.full(n_out, np.nan)
+        A = _step_up(x)
+        return _step_up_vjp(x, A, v) if mode == 0 else _step_up_jvp(x, A, v)
+    kappa, A, ok = _step_down(x)
+    if not ok:
+        return np.full(n_out, np.nan)
+    if fn == 1:
+        if mode == 0:
+            return _step_down_vjp(A, v, np.zeros((p, p)))
+        kappa_dot, D = _step_down_jvp(A, v)
+        return kappa_dot
+    gam = _acov(kappa, A, 1.0, nlags)
+    if mode == 0:
+        kappa_bar, level_bar = _acov_vjp(kappa, A, gam, v)
+        return _step_down_vjp(A, kappa_bar, level_bar)
+    kappa_dot, D = _step_down_jvp(A, v)
+    return _acov_jvp(kappa, A, gam, kappa_dot, D)
+
+
+# ---------------------------------------------------------------------------
+# Ops
+# ---------------------------------------------------------------------------
+
+_FNS = {"pacf_to_ar": 0, "ar_to_pacf": 1, "ar_to_acov": 2}
+_MODES = {"vjp": 0, "jvp": 1}
+
+
+@entry_point
+def _vec_entry(fn: str, out_dtype: str):
+    out = np.dtype(out_dtype).type
+    kernel = pacf_to_ar_kernel if fn == "pacf_to_ar" else ar_to_pacf_kernel
+
+    @numba.njit
+    def run(x):
+        return kernel(np.ascontiguousarray(x).astype(np.float64)).astype(out)
+
+    return run
+
+
+@entry_point
+def _acov_entry(nlags: int, out_dtype: str):
+    out = np.dtype(out_dtype).type
+
+    @numba.njit
+    def run(phi, sigma2):
+        return ar_to_acov_kernel(np.ascontiguousarray(phi).astype(np.float64), np.float64(sigma2.item()), nlags).astype(
+            out
+        )
+
+    return run
+
+
+@entry_point
+def _derivative_entry(fn: int, mode: int, nlags: int, out_dtype: str):
+    out = np.dtype(out_dtype).type
+
+    @numba.njit
+    def run(x, v):
+        return ar_derivative_kernel(
+            fn, mode, np.ascontiguousarray(x).astype(np.float64), np.ascontiguousarray(v).astype(np.float64), nlags
+        ).astype(out)
+
+    return run
+
+
+class _VectorMap(FusedOp):
+    """Core Op ``(p)->(p)`` shared by :class:`PacfToAR` and :class:`ARToPacf`."""
+
+    __props__ = ()
+    gufunc_signature = "(p)->(p)"
+    fn: str
+
+    def make_node(self, x):
+        x = pt.as_tensor_variable(x)
+        return Apply(self, [x], [pt.tensor(dtype=float_dtype(x), shape=x.type.shape)])
+
+    def infer_shape(self, node, input_shapes):
+        return [input_shapes[0]]
+
+    def numba_fn(self, node):
+        return _vec_entry(self.fn, node.outputs[0].type.dtype)
+
+    def pullback(self, inputs, outputs, cotangents):
+        (x,) = inputs
+        (g,) = cotangents
+        if isinstance(g.type, DisconnectedType):
+            return [disconnected_type()]
+        return [_derivative(self.fn, "vjp", x, g)]
+
+    def pushforward(self, inputs, outputs, tangents):
+        (x,) = inputs
+        (t,) = tangents
+        if isinstance(t.type, DisconnectedType):
+            return [disconnected_type()]
+        return [_derivative(self.fn, "jvp", x, t)]
+
+
+@register_fused_op
+class PacfToAR(_VectorMap):
+    """Core Op ``(p)->(p)``: step-up recursion; use :func:`pacf_to_ar`."""
+
+    fn = "pacf_to_ar"
+
+
+@register_fused_op
+class ARToPacf(_VectorMap):
+    """Core Op ``(p)->(p)``: step-down recursion; use :func:`ar_to_pacf`."""
+
+    fn = "ar_to_pacf"
+
+
+@register_fused_op
+class ARToAcov(FusedOp):
+    """Core Op ``(p),()->(l)`` with ``l = nlags + 1``; use :func:`ar_to_acov`."""
+
+    __props__ = ("nlags",)
+    gufunc_signature = "(p),()->(l)"
+
+    def __init__(self, nlags: int):
+        self.nlags = int(nlags)
+
+    def make_node(self, phi, sigma2):
+        phi, sigma2 = pt.as_tensor_variable(phi), pt.as_tensor_variable(sigma2)
+        return Apply(self, [phi, sigma2], [pt.tensor(dtype=float_dtype(phi, sigma2), shape=(self.nlags + 1,))])
+
+    def infer_shape(self, node, input_shapes):
+        return [(self.nlags + 1,)]
+
+    def numba_fn(self, node):
+        return _acov_entry(self.nlags, node.outputs[0].type.dtype)
+
+    def pullback(self, inputs, outputs, cotangents):
+        phi, sigma2 = inputs
+        (g,) = cotangents
+        if isinstance(g.type, DisconnectedType):
+            return [disconnected_type(), disconnected_type()]
+        # gamma(phi, sigma2) = sigma2 * gamma(phi, 1): linear in sigma2
+        phi_bar = sigma2 * _derivative("ar_to_acov", "vjp", phi, g, self.nlags)
+        sigma2_bar = pt.sum(g * self(phi, pt.ones_like(sigma2)))
+        return [phi_bar, sigma2_bar]
+
+    def pushforward(self, inputs, outputs, tangents):
+        phi, sigma2 = inputs
+        phi_dot, sigma2_dot = tangents
+        terms = []
+        if not isinstance(phi_dot.type, DisconnectedType):
+            terms.append(sigma2 * _derivative("ar_to_acov", "jvp", phi, phi_dot, self.nlags))
+        if not isinstance(sigma2_dot.type, DisconnectedType):
+            terms.append(self(phi, sigma2_dot))
+        if not terms:
+            return [disconnected_type()]
+        return [sum(terms[1:], terms[0])]
+
+
+@register_fused_op
+class ARDerivative(FusedOp):
+    """Core Op ``(p),(q)->(r)``: the linearization of one lattice map at ``x``.
+
+    ``fn`` in {"pacf_to_ar", "ar_to_pacf", "ar_to_acov"} (the latter with
+    ``sigma2 = 1``), ``mode`` "vjp" (``v`` a cotangent of the output, returns
+    ``J(x)^T v``) or "jvp" (``v`` a tangent of ``x``, returns ``J(x) v``).
+    Linear in ``v``: its derivative in ``v`` is the other mode.  Derivatives in
+    ``x`` (second derivatives of the map) are not implemented.
+    """
+
+    __props__ = ("fn", "mode", "nlags")
+    gufunc_signature = "(p),(q)->(r)"
+
+    def __init__(self, fn: str, mode: str, nlags: int = -1):
+        self.fn = fn
+        self.mode = mode
+        self.nlags = int(nlags)
+
+    def _out_len(self, p):
+        return self.nlags + 1 if (self.fn == "ar_to_acov" and self.mode == "jvp") else p
+
+    def make_node(self, x, v):
+        x, v = pt.as_tensor_variable(x), pt.as_tensor_variable(v)
+        n = self.nlags + 1 if (self.fn == "ar_to_acov" and self.mode == "jvp") else x.type.shape[-1]
+        return Apply(self, [x, v], [pt.tensor(dtype=float_dtype(x, v), shape=(n,))])
+
+    def infer_shape(self, node, input_shapes):
+        return [(self._out_len(input_shapes[0][0]),)]
+
+    def numba_fn(self, node):
+        return _derivative_entry(_FNS[self.fn], _MODES[self.mode], self.nlags, node.outputs[0].type.dtype)
+
+    def pullback(self, inputs, outputs, cotangents):
+        x, v = inputs
+        (w,) = cotangents
+        if isinstance(w.type, DisconnectedType):
+            return [disconnected_type(), disconnected_type()]
+        other = "jvp" if self.mode == "vjp" else "vjp"
+        return [
+            grad_not_implemented(self, 0, x, "Second derivatives of iterops' AR lattice maps are not implemented."),
+            _derivative(self.fn, other, x, w, self.nlags),
+        ]
+
+    def pushforward(self, inputs, outputs, tangents):
+        x, v = inputs
+        x_dot, v_dot = tangents
+        if not isinstance(x_dot.type, DisconnectedType):
+            raise NotImplementedError("Second derivatives of iterops' AR lattice maps are not implemented.")
+        if isinstance(v_dot.type, DisconnectedType):
+            return [disconnected_type()]
+        return [_derivative(self.fn, self.mode, x, v_dot, self.nlags)]
+
+
+def _derivative(fn, mode, x, v, nlags=-1):
+    return apply_batched(ARDerivative(fn, mode, nlags), x, v)
+
+
+# ---------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------
+
+
+def _check_vector(func, name, x):
+    x = as_tensor(func, name, x, min_ndim=1)
+    if x.type.numpy_dtype.kind == "c":
+        raise TypeError(f"{func}: complex {name} is not supported (got dtype {x.type.dtype})")
+    return x
+
+
+def pacf_to_ar(pacf) -> TensorVariable:
+    r"""Stationary AR(p) coefficients from partial autocorrelations (Monahan 1984).
+
+    Step-up recursion ``phi_{k,k} = pacf_k``, ``phi_{k,j} = phi_{k-1,j} - pacf_k phi_{k-1,k-j}``.
+
+    Parameters
+    ----------
+    pacf : tensor (..., p)
+        Partial autocorrelations (reflection coefficients) at lags 1..p, each in (-1, 1).
+
+    Returns
+    -------
+    phi : tensor (..., p)
+        Coefficients of ``x_t = sum_j phi_j x_{t-j} + e_t``; the AR polynomial
+        ``1 - sum_j phi_j z^j`` has all roots outside the unit circle.  All-NaN
+        (per batch entry) if some ``|pacf_k| >= 1`` or is not finite.
+
+    Replaces the Scan over the order ``k``::
+
+        def step(k, kappa_k, phi_prev):  # phi_prev: (p,) zero-padded AR(k-1)
+            new = phi_prev - kappa_k * pt.roll(phi_prev[::-1], k)  # phi_{k-1, k-j} at j
+            new = pt.set_subtensor(new[k - 1], kappa_k)
+            return pt.where(pt.arange(p) < k, new, 0.0)
+        phis, _ = pytensor.scan(step, sequences=[pt.arange(1, p + 1), pacf], outputs_info=[pt.zeros(p)])
+        phi = phis[-1]
+
+    Gradient: the hand-written adjoint of the recursion (no division: stable as
+    ``|pacf| -> 1``).
+
+    Examples
+    --------
+    >>> import iterops
+    >>> iterops.ts.pacf_to_ar([0.5, 0.2]).eval()
+    array([0.4, 0.2])
+    """
+    return apply_batched(PacfToAR(), _check_vector("pacf_to_ar", "pacf", pacf))
+
+
+def ar_to_pacf(phi) -> TensorVariable:
+    r"""Partial autocorrelations of a stationary AR(p): the inverse of :func:`pacf_to_ar`.
+
+    Step-down recursion ``pacf_k = phi_{k,k}``,
+    ``phi_{k-1,j} = (phi_{k,j} + pacf_k phi_{k,k-j}) / (1 - pacf_k^2)``.
+
+    Parameters
+    ----------
+    phi : tensor (..., p)
+        AR coefficients (``x_t = sum_j phi_j x_{t-j} + e_t``).
+
+    Returns
+    -------
+    pacf : tensor (..., p)
+        Partial autocorrelations at lags 1..p.  All-NaN if ``phi`` is not
+        stationary (some ``|pacf_k| >= 1``) or not finite: a stationarity test.
+
+    Examples
+    --------
+    >>> import iterops
+    >>> iterops.ts.ar_to_pacf([0.4, 0.2]).eval()
+    array([0.5, 0.2])
+    """
+    return apply_batched(ARToPacf(), _check_vector("ar_to_pacf", "phi", phi))
+
+
+def ar_to_acov(phi, sigma2, nlags: int) -> TensorVariable:
+    r"""Autocovariances ``gamma_0..gamma_nlags`` of a stationary AR(p).
+
+    Equal to ``statsmodels.tsa.arima_process.arma_acovf(np.r_[1, -phi], [1],
+    nobs=nlags + 1, sigma2=sigma2)``, computed by the step-down recursion in
+    O(p^2 + p * nlags) instead of a dense solve.
+
+    Parameters
+    ----------
+    phi : tensor (..., p)
+        AR coefficients (``x_t = sum_j phi_j x_{t-j} + e_t``).
+    sigma2 : tensor (...)
+        Innovation variance; broadcasts with the leading dimensions of ``phi``.
+    nlags : int
+        Static number of lags (>= 0); the result has ``nlags + 1`` entries.
+
+    Returns
+    -------
+    gamma : tensor (..., nlags + 1)
+        ``gamma_0 = sigma2 / prod(1 - pacf_k^2)``, ``gamma_m = sum_j phi_{min(m,p), j} gamma_{m-j}``.
+        All-NaN if ``phi`` is not stationary or an input is not finite.
+
+    Examples
+    --------
+    >>> import iterops
+    >>> iterops.ts.ar_to_acov([0.5], 1.0, nlags=2).eval().round(4)
+    array([1.3333, 0.6667, 0.3333])
+    """
+    func = "ar_to_acov"
+    nlags = _static_int(func, "nlags", nlags, minimum=0)
+    phi = _check_vector(func, "phi", phi)
+    sigma2 = as_tensor(func, "sigma2", sigma2)
+    if sigma2.type.numpy_dtype.kind == "c":
+        raise TypeError(f"{func}: complex sigma2 is not supported (got dtype {sigma2.type.dtype})")
+    return apply_batched(ARToAcov(nlags), phi, sigma2)
+
+
+def _static_int(func: str, name: str, value, minimum: int) -> int:
+    """A static Python integer >= ``minimum`` (ValueError naming ``name`` otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"{func}: {name} must be a static Python integer, got {value!r} of type {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{func}: {name} must be >= {minimum}, got {value}")
+    return int(value)

@@ -1,0 +1,253 @@
+r"""Fixed-interval (Rauch-Tung-Striebel) Kalman smoother: one fused Numba kernel.
+
+Same model, inputs and options as :func:`iterops.ts.kalman_filter`.  The
+smoothed moments ``E[alpha_t | y_1..y_n]`` and ``Var[alpha_t | y_1..y_n]`` are
+those of the RTS smoother.  They are computed with the equivalent
+Durbin-Koopman backward recursion (DK 2012, eqs. 4.44 and 4.69), which needs no
+inverse of the predicted covariance (the RTS gain ``P_f T^T P_{t+1}^{-1}`` does,
+and ``P_{t+1}`` is singular for states without process noise)::
+
+    r = 0; N = 0
+    for t = n-1, ..., 0:                 # o = observed components at t
+        L_t = T_t (I - K_t Z_o)          # K_t = P_t Z_o^T F_oo^{-1}, the filter's gain
+        r = Z_o^T F_oo^{-1} v_o + L_t^T r
+        N = Z_o^T F_oo^{-1} Z_o + L_t^T N L_t
+        smoothed_state[t] = a_t + P_t r
+        smoothed_cov[t]   = P_t - P_t N P_t
+
+with ``a_t, P_t`` the filter's predictions.  With ``cov_jitter=0`` this equals
+statsmodels' ``KalmanSmoother`` (and the RTS recursion) to rounding; with a
+jitter it is the DK smoother of the jittered filter (pymc-extras'
+``DisturbanceSmoother`` arithmetic, except that smoother adds no jitter of its own).
+
+Failure: where the filter fails (``loglik = -inf``), all smoothed outputs are NaN.
+Gradient: not implemented (``grad_not_implemented``); differentiate the filter.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numba
+import numpy as np
+import pytensor.tensor as pt
+from pytensor.gradient import grad_not_implemented
+from pytensor.graph.basic import Apply
+from pytensor.tensor.blockwise import Blockwise
+from pytensor.tensor.variable import TensorVariable
+
+from iterops._fused import FusedOp, entry_point, register_fused_op
+from iterops.ts.kalman import (
+    _IN_SIG,
+    _check_shapes_jit,
+    _cov_update,
+    _mean_update,
+    _observe,
+    _props_common,
+    _prepare_inputs,
+    _ti,
+    _workspace,
+    kalman_filter_kernel,
+)
+
+__all__ = ["kalman_smoother", "KalmanSmootherResult", "KalmanSmoother", "kalman_smoother_kernel"]
+
+
+class KalmanSmootherResult(NamedTuple):
+    smoothed_state: TensorVariable  #: (..., n, m)
+    smoothed_cov: TensorVariable  #: (..., n, m, m)
+
+
+@numba.njit(cache=True)
+def kalman_smoother_kernel(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv):
+    """Smoothed states and covariances of one series (shapes as :func:`kalman_filter_kernel`)."""
+    n, p = y.shape
+    m = a0.shape[0]
+    r_dim = Q.shape[1]
+    ll, _, _, _, ap, Pp, _, _ = kalman_filter_kernel(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv)
+    a_s = np.full((n, m), np.nan)
+    P_s = np.full((n, m, m), np.nan)
+    if not np.isfinite(ll) and ll < 0:
+        return a_s, P_s
+    obs, Zo, Ho, M, L, K, w, A, tmp, tmp2 = _workspace(m, p, r_dim)
+    v = np.empty(p)
+    F = np.empty((p, p))
+    af = np.empty(m)
+    Pf = np.empty((m, m))
+    r = np.zeros(m)
+    N = np.zeros((m, m))
+    r_new = np.empty(m)
+    Lt = np.empty((m, m))
+    W = np.empty((m, m))
+    Finv = np.empty((p, p))
+    for t in range(n - 1, -1, -1):
+        Tt = T[_ti(T, t)]
+        Zt = Z[_ti(Z, t)]
+        P = Pp[t]
+        k = _observe(ap[t], y[t], d[_ti(d, t)], Zt, mv, use_mv, v, obs)
+        ok, logdet = _cov_update(P, Zt, H[_ti(H, t)], jitter, obs, k, F, Zo, Ho, M, L, K, A, Pf, tmp)
+        _mean_update(ap[t], v, obs, k, logdet, L, K, w, af)
+        for jj in range(k):
+            for i in range(k):
+                Finv[i, jj] = 1.0 if i == jj else 0.0
+            _cho_solve_vec_local(L, k, Finv[:, jj])
+        # L_t = T A
+        for i in range(m):
+            for j in range(m):
+                s = 0.0
+                for l in range(m):
+                    s += Tt[i, l] * A[l, j]
+                Lt[i, j] = s
+        # r <- Zo^T w + L_t^T r
+        for i in range(m):
+            s = 0.0
+            for l in range(k):
+                s += Zo[l, i] * w[l]
+            for l in range(m):
+                s += Lt[l, i] * r[l]
+            r_new[i] = s
+        r[:] = r_new
+        # N <- Zo^T Finv Zo + L_t^T N L_t
+        for i in range(m):
+            for j in range(m):
+                s = 0.0
+                for l in range(m):
+                    s += N[i, l] * Lt[l, j]
+                W[i, j] = s
+        for i in range(m):
+            for j in range(m):
+                s = 0.0
+                for l in range(m):
+                    s += Lt[l, i] * W[l, j]
+                N[i, j] = s
+        for i in range(k):  # tmp[:k, :m] = Finv Zo
+            for j in range(m):
+                s = 0.0
+                for l in range(k):
+                    s += Finv[i, l] * Zo[l, j]
+                tmp[i, j] = s
+        for i in range(m):
+            for j in range(m):
+                s = 0.0
+                for l in range(k):
+                    s += Zo[l, i] * tmp[l, j]
+                N[i, j] += s
+        for i in range(m):
+            for j in range(i + 1, m):
+                s = 0.5 * (N[i, j] + N[j, i])
+                N[i, j] = s
+                N[j, i] = s
+        # a_s = a + P r ; P_s = P - P N P
+        for i in range(m):
+            s = ap[t, i]
+            for l in range(m):
+                s += P[i, l] * r[l]
+            a_s[t, i] = s
+        for i in range(m):
+            for j in range(m):
+                s = 0.0
+                for l in range(m):
+                    s += N[i, l] * P[l, j]
+                W[i, j] = s
+        for i in range(m):
+            for j in range(m):
+                s = 0.0
+                for l in range(m):
+                    s += P[i, l] * W[l, j]
+                P_s[t, i, j] = P[i, j] - s
+        for i in range(m):
+            for j in range(i + 1, m):
+                s = 0.5 * (P_s[t, i, j] + P_s[t, j, i])
+                P_s[t, i, j] = s
+                P_s[t, j, i] = s
+    return a_s, P_s
+
+
+@numba.njit(cache=True)
+def _cho_solve_vec_local(L, k, x):
+    for i in range(k):
+        s = x[i]
+        for l in range(i):
+            s -= L[i, l] * x[l]
+        x[i] = s / L[i, i]
+    for i in range(k - 1, -1, -1):
+        s = x[i]
+        for l in range(i + 1, k):
+            s -= L[l, i] * x[l]
+        x[i] = s / L[i, i]
+
+
+@entry_point
+def _smoother_entry(tv: tuple, jitter: float, mv: float, use_mv: bool):
+    @numba.njit
+    def kalman_smoother_fn(y, a0, P0, c, d, T, Z, R, H, Q):
+        if _check_shapes_jit(y, a0, P0, c, d, T, Z, R, H, Q, tv):
+            raise ValueError("kalman_smoother: inconsistent input shapes at run time")
+        return kalman_smoother_kernel(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv)
+
+    return kalman_smoother_fn
+
+
+@register_fused_op
+class KalmanSmoother(FusedOp):
+    """Core Op of :func:`kalman_smoother` (float64 inputs; system matrices carry a time axis)."""
+
+    __props__ = ("time_varying", "cov_jitter", "missing_value")
+    gufunc_signature = ",".join(_IN_SIG) + "->(n,m),(n,m,m)"
+
+    def __init__(self, time_varying=(False,) * 7, cov_jitter=0.0, missing_value=None):
+        self.time_varying = tuple(bool(x) for x in time_varying)
+        self.cov_jitter = float(cov_jitter)
+        self.missing_value = None if missing_value is None else float(missing_value)
+
+    def make_node(self, *inputs):
+        inputs = [pt.as_tensor_variable(x) for x in inputs]
+        n = inputs[0].type.shape[0]
+        m = inputs[1].type.shape[0]
+        outs = [pt.tensor(dtype="float64", shape=(n, m)), pt.tensor(dtype="float64", shape=(n, m, m))]
+        return Apply(self, inputs, outs)
+
+    def infer_shape(self, node, input_shapes):
+        (n, _), (m,) = input_shapes[0], input_shapes[1]
+        return [(n, m), (n, m, m)]
+
+    def numba_fn(self, node):
+        return _smoother_entry(*_props_common(self.time_varying, self.cov_jitter, self.missing_value))
+
+    def pullback(self, inputs, outputs, cotangents):
+        return [
+            grad_not_implemented(
+                self, i, x,
+                "the gradient of kalman_smoother is not implemented; differentiate kalman_filter outputs instead",
+            )
+            for i, x in enumerate(inputs)
+        ]
+
+
+def kalman_smoother(
+    y, a0, P0, c, d, T, Z, R, H, Q, *,
+    time_varying=(),
+    cov_jitter: float = 0.0,
+    missing_value: float | None = None,
+) -> KalmanSmootherResult:
+    """Smoothed states ``(..., n, m)`` and covariances ``(..., n, m, m)``.
+
+    Arguments, shapes, batching and options exactly as :func:`iterops.ts.kalman_filter`.
+    Not differentiable (asking for its gradient raises ``NullTypeGradError``).
+
+    Examples
+    --------
+    >>> import numpy as np, iterops
+    >>> res = iterops.ts.kalman_smoother(np.array([[1.0], [np.nan], [0.5]]), [0.0], [[1.0]], [0.0], [0.0],
+    ...                                  [[1.0]], [[1.0]], [[1.0]], [[1.0]], [[0.5]])
+    >>> res.smoothed_state.eval().round(4).ravel()
+    array([0.6522, 0.6739, 0.6957])
+    """
+    func = "kalman_smoother"
+    inputs, tv, out_dtype = _prepare_inputs(func, y, a0, P0, c, d, T, Z, R, H, Q, time_varying)
+    if not np.isfinite(cov_jitter) or cov_jitter < 0:
+        raise ValueError(f"{func}: cov_jitter must be finite and >= 0, got {cov_jitter}")
+    outs = Blockwise(KalmanSmoother(tv, cov_jitter, missing_value))(*inputs)
+    if out_dtype != "float64":
+        outs = [pt.cast(o, out_dtype) for o in outs]
+    return KalmanSmootherResult(*outs)

@@ -1,0 +1,324 @@
+"""solve_discrete_lyapunov against scipy, finite differences and dense formulas."""
+
+import pickle
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+import quantecon
+import scipy.linalg as sla
+from hypothesis import given
+from hypothesis import strategies as st
+from pytensor.gradient import verify_grad
+
+from iterops import solve_discrete_lyapunov
+from iterops.linalg.lyapunov import DiscreteLyapunov
+
+METHODS = ["auto", "doubling", "schur"]
+
+
+def stable(rng, n, rho, dtype="float64"):
+    a = rng.normal(size=(n, n))
+    if np.dtype(dtype).kind == "c":
+        a = a + 1j * rng.normal(size=(n, n))
+    return (a * rho / np.max(np.abs(np.linalg.eigvals(a)))).astype(dtype)
+
+
+def spd(rng, n, dtype="float64"):
+    q = rng.normal(size=(n, n))
+    return (q @ q.T + n * np.eye(n)).astype(dtype)
+
+
+def rel_residual(a, q, x):
+    r = a @ x @ a.conj().T - x + q
+    return np.linalg.norm(r) / (np.linalg.norm(a) ** 2 * np.linalg.norm(x) + np.linalg.norm(x) + np.linalg.norm(q))
+
+
+@pytest.fixture(scope="module")
+def solvers():
+    A, Q = pt.matrix("A"), pt.matrix("Q")
+    return {m: pytensor.function([A, Q], solve_discrete_lyapunov(A, Q, method=m)) for m in METHODS}
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("n", [1, 4, 20, 100])
+@pytest.mark.parametrize("rho", [0.5, 0.9, 0.999])
+def test_matches_scipy_and_small_residual(solvers, method, n, rho, rng):
+    a, q = stable(rng, n, rho), spd(rng, n)
+    x = solvers[method](a, q)
+    ref = sla.solve_discrete_lyapunov(a, q)
+    assert rel_residual(a, q, x) <= 1e-10
+    np.testing.assert_allclose(x, ref, rtol=1e-8, atol=1e-8 * np.max(np.abs(ref)))
+
+
+def test_matches_quantecon(solvers, rng):
+    a, q = stable(rng, 6, 0.95), spd(rng, 6)
+    np.testing.assert_allclose(solvers["auto"](a, q), quantecon.solve_discrete_lyapunov(a, q), rtol=1e-9)
+
+
+@pytest.mark.parametrize("method", ["auto", "schur"])
+def test_unstable_but_solvable(solvers, method, rng):
+    # eigenvalues 2 and 0.1: no pair with lambda_i * lambda_j = 1, unique solution exists
+    a = np.array([[2.0, 1.0], [0.0, 0.1]])
+    q = np.array([[1.0, 0.3], [0.2, 2.0]])
+    np.testing.assert_allclose(solvers[method](a, q), sla.solve_discrete_lyapunov(a, q), rtol=1e-10)
+
+
+def test_nonsymmetric_q(solvers, rng):
+    a, q = stable(rng, 5, 0.8), rng.normal(size=(5, 5))
+    for m in METHODS:
+        np.testing.assert_allclose(solvers[m](a, q), sla.solve_discrete_lyapunov(a, q), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(
+    "a",
+    [
+        np.diag([1.0, 0.5]),  # lambda * lambda = 1: no unique solution
+        np.array([[0.0, 1.0], [-1.0, 0.0]]),  # eigenvalues +-i: i * conj(i) = 1
+        np.array([[np.nan, 0.0], [0.0, 0.5]]),
+        np.array([[np.inf, 0.0], [0.0, 0.5]]),
+    ],
+)
+def test_failure_is_nan(solvers, method, a):
+    x = solvers[method](a, np.eye(2))
+    assert x.shape == (2, 2) and np.all(np.isnan(x))
+
+
+def test_doubling_nonconvergence_is_nan(solvers):
+    # spectral radius 1.2: doubling diverges; must not return garbage
+    x = solvers["doubling"](np.diag([1.2, 0.3]), np.eye(2))
+    assert np.all(np.isnan(x))
+
+
+def test_on_failure_raise():
+    A, Q = pt.matrix("A"), pt.matrix("Q")
+    f = pytensor.function([A, Q], solve_discrete_lyapunov(A, Q, on_failure="raise"))
+    with pytest.raises(FloatingPointError, match="solve_discrete_lyapunov"):
+        f(np.diag([1.0, 0.5]), np.eye(2))
+    np.testing.assert_allclose(f(np.diag([0.5, 0.5]), np.eye(2)), np.eye(2) / 0.75)
+
+
+def test_max_iter_too_small_gives_nan_for_doubling():
+    A, Q = pt.matrix("A"), pt.matrix("Q")
+    f = pytensor.function([A, Q], solve_discrete_lyapunov(A, Q, method="doubling", max_iter=2))
+    assert np.all(np.isnan(f(np.diag([0.99, 0.5]), np.eye(2))))
+
+
+def test_tolerance_is_respected():
+    A, Q = pt.matrix("A"), pt.matrix("Q")
+    a, q = np.diag([0.9, 0.5]), np.eye(2)
+    x = pytensor.function([A, Q], solve_discrete_lyapunov(A, Q, method="doubling", tol=1e-3))(a, q)
+    ref = sla.solve_discrete_lyapunov(a, q)
+    assert np.max(np.abs(x - ref)) <= 1e-2 * np.max(np.abs(ref))
+
+
+def test_batched_equals_loop(rng):
+    A, Q = pt.tensor3("A"), pt.matrix("Q")
+    X = solve_discrete_lyapunov(A, Q)
+    assert X.type.ndim == 3
+    f = pytensor.function([A, Q], X)
+    a = np.stack([stable(rng, 4, r) for r in (0.3, 0.9, 0.99)])
+    q = spd(rng, 4)
+    np.testing.assert_allclose(f(a, q), np.stack([sla.solve_discrete_lyapunov(ai, q) for ai in a]), rtol=1e-9)
+
+
+def test_batched_broadcast_both(rng):
+    A, Q = pt.tensor4("A"), pt.tensor3("Q")
+    f = pytensor.function([A, Q], solve_discrete_lyapunov(A, Q))
+    a = np.stack([[stable(rng, 3, 0.7) for _ in range(2)] for _ in range(2)])  # (2, 2, 3, 3)
+    q = np.stack([spd(rng, 3) for _ in range(2)])  # (2, 3, 3)
+    out = f(a, q)
+    for i in range(2):
+        for j in range(2):
+            np.testing.assert_allclose(out[i, j], sla.solve_discrete_lyapunov(a[i, j], q[j]), rtol=1e-9)
+
+
+def test_static_shape_propagates():
+    A = pt.tensor("A", shape=(5, 3, 3))
+    Q = pt.tensor("Q", shape=(3, 3))
+    assert solve_discrete_lyapunov(A, Q).type.shape == (5, 3, 3)
+
+
+def test_float32_policy(rng):
+    A, Q = pt.fmatrix("A"), pt.fmatrix("Q")
+    X = solve_discrete_lyapunov(A, Q)
+    assert X.dtype == "float32"
+    a, q = stable(rng, 6, 0.95, "float32"), spd(rng, 6, "float32")
+    x = pytensor.function([A, Q], X)(a, q)
+    assert x.dtype == np.float32
+    # solved in float64 then rounded: as accurate as float32 storage allows
+    ref = sla.solve_discrete_lyapunov(a.astype("f8"), q.astype("f8"))
+    np.testing.assert_allclose(x, ref, rtol=1e-5, atol=1e-5 * np.max(np.abs(ref)))
+
+
+def test_integer_and_mixed_inputs_upcast():
+    A, Q = pt.imatrix("A"), pt.matrix("Q")
+    assert solve_discrete_lyapunov(A, Q).dtype == "float64"
+    Af, Qd = pt.fmatrix("A"), pt.dmatrix("Q")
+    assert solve_discrete_lyapunov(Af, Qd).dtype == "float64"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_complex128(rng, method):
+    A, Q = pt.zmatrix("A"), pt.zmatrix("Q")
+    f = pytensor.function([A, Q], solve_discrete_lyapunov(A, Q, method=method))
+    a = stable(rng, 5, 0.9, "complex128")
+    q = spd(rng, 5).astype(complex) + 1j * np.triu(rng.normal(size=(5, 5)), 1)
+    x = f(a, q)
+    assert x.dtype == np.complex128
+    np.testing.assert_allclose(x, sla.solve_discrete_lyapunov(a, q), rtol=1e-9, atol=1e-10)
+
+
+def test_every_linker(mode, rng):
+    A, Q = pt.matrix("A"), pt.matrix("Q")
+    X = solve_discrete_lyapunov(A, Q)
+    gA, gQ = pytensor.grad((X**2).sum(), [A, Q])
+    f = pytensor.function([A, Q], [X, gA, gQ], mode=mode)
+    a, q = stable(rng, 4, 0.8), spd(rng, 4)
+    x, ga, gq = f(a, q)
+    np.testing.assert_allclose(x, sla.solve_discrete_lyapunov(a, q), rtol=1e-10)
+    # dense-formula gradient: vec X = (I - A kron A)^{-1} vec Q
+    n = 4
+    M = np.eye(n * n) - np.kron(a, a)
+    S = np.linalg.solve(M.T, 2 * x.ravel()).reshape(n, n)  # adjoint: (dF/dX)^T
+    np.testing.assert_allclose(gq, S, rtol=1e-8)
+    np.testing.assert_allclose(ga, S @ a @ x.T + S.T @ a @ x, rtol=1e-8)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_verify_grad(method, rng):
+    a, q = stable(rng, 4, 0.9), spd(rng, 4)
+    verify_grad(lambda A, Q: solve_discrete_lyapunov(A, Q, method=method), [a, q], rng=rng)
+
+
+def test_verify_grad_batched_broadcast(rng):
+    a = np.stack([stable(rng, 3, 0.6), stable(rng, 3, 0.9)])
+    q = spd(rng, 3)
+    verify_grad(lambda A, Q: solve_discrete_lyapunov(A, Q), [a, q], rng=rng)
+
+
+def test_second_derivative(rng):
+    a, q = stable(rng, 3, 0.7), spd(rng, 3)
+
+    def grad_of_cost(A, Q):
+        X = solve_discrete_lyapunov(A, Q)
+        return pytensor.grad((X**2).sum() + X[0, 1], A)
+
+    verify_grad(grad_of_cost, [a, q], rng=rng)
+
+
+def test_hessian_vector_product_against_finite_differences(rng):
+    a, q = stable(rng, 3, 0.7), spd(rng, 3)
+    A, V = pt.matrix("A"), pt.matrix("V")
+    cost = solve_discrete_lyapunov(A, q).sum() ** 2
+    hvp = pytensor.function([A, V], pytensor.gradient.hessian_vector_product(cost, A, V))
+    g = pytensor.function([A], pytensor.grad(cost, A))
+    v = rng.normal(size=(3, 3))
+    eps = 1e-6
+    fd = (g(a + eps * v) - g(a - eps * v)) / (2 * eps)
+    np.testing.assert_allclose(hvp(a, v), fd, rtol=1e-5, atol=1e-6)
+
+
+def test_pushforward_matches_finite_differences(rng):
+    a, q = stable(rng, 4, 0.8), spd(rng, 4)
+    da, dq = rng.normal(size=(4, 4)), rng.normal(size=(4, 4))
+    A, Q, tA, tQ = (pt.matrix(n) for n in "A Q tA tQ".split())
+    X = solve_discrete_lyapunov(A, Q)
+    for use_op in (True, False):
+        jvp = pytensor.gradient.pushforward(X, [A, Q], [tA, tQ], use_op_pushforward=use_op)
+        got = pytensor.function([A, Q, tA, tQ], jvp)(a, q, da, dq)
+        eps = 1e-6
+        fd = (
+            sla.solve_discrete_lyapunov(a + eps * da, q + eps * dq)
+            - sla.solve_discrete_lyapunov(a - eps * da, q - eps * dq)
+        ) / (2 * eps)
+        np.testing.assert_allclose(got, fd, rtol=1e-6, atol=1e-7)
+
+
+def test_gradient_against_autodiff_of_reference_scan(rng):
+    """The fused gradient equals PyTensor autodiff through the doubling Scan (converged)."""
+    from pytensor.scan.utils import until
+
+    A, Q = pt.matrix("A"), pt.matrix("Q")
+
+    def step(alpha, gamma):
+        new_gamma = gamma + alpha @ gamma @ alpha.T
+        return (alpha @ alpha, new_gamma), until(pt.max(pt.abs(new_gamma - gamma)) < 1e-15)
+
+    (_, gammas) = pytensor.scan(step, outputs_info=[A, Q], n_steps=60, return_updates=False)
+    ref_cost = (gammas[-1] ** 2).sum()
+    cost = (solve_discrete_lyapunov(A, Q) ** 2).sum()
+    f = pytensor.function([A, Q], pytensor.grad(cost, [A, Q]))
+    # The reference Scan runs in the Python linker without iterops' rewrites:
+    # Numba-compiling a gradient Scan costs minutes and tests nothing here.
+    f_ref = pytensor.function(
+        [A, Q], pytensor.grad(ref_cost, [A, Q]), mode=pytensor.compile.get_mode("FAST_COMPILE").excluding("iterops")
+    )
+    a, q = stable(rng, 4, 0.8), spd(rng, 4)
+    (ga, gq), (ra, rq) = f(a, q), f_ref(a, q)
+    np.testing.assert_allclose(ga, ra, rtol=1e-8)
+    np.testing.assert_allclose(gq, rq, rtol=1e-8)
+
+
+def test_pickle_compiled_function(rng):
+    A, Q = pt.matrix("A"), pt.matrix("Q")
+    X = solve_discrete_lyapunov(A, Q)
+    f = pytensor.function([A, Q], [X, pytensor.grad(X.sum(), A)])
+    g = pickle.loads(pickle.dumps(f))
+    a, q = stable(rng, 3, 0.5), spd(rng, 3)
+    np.testing.assert_allclose(g(a, q)[0], sla.solve_discrete_lyapunov(a, q), rtol=1e-10)
+    op = DiscreteLyapunov(method="schur", on_failure="raise")
+    assert pickle.loads(pickle.dumps(op)) == op
+
+
+@given(
+    n=st.integers(1, 8),
+    rho=st.floats(0.0, 0.995),
+    seed=st.integers(0, 2**31),
+)
+def test_property_random_stable(solvers, n, rho, seed):
+    rng = np.random.default_rng(seed)
+    a = rng.normal(size=(n, n))
+    radius = np.max(np.abs(np.linalg.eigvals(a)))
+    a = a * (rho / radius) if radius > 0 else a
+    q = spd(rng, n)
+    x = solvers["auto"](a, q)
+    assert rel_residual(a, q, x) <= 1e-10
+    np.testing.assert_allclose(x, x.T, atol=1e-9 * np.max(np.abs(x)))  # symmetric Q -> symmetric X
+    assert np.all(np.linalg.eigvalsh((x + x.T) / 2) > 0)  # Q > 0 -> X > 0
+    np.testing.assert_allclose(x, sla.solve_discrete_lyapunov(a, q), rtol=1e-8, atol=1e-10 * np.max(np.abs(x)))
+
+
+@pytest.mark.parametrize(
+    "A, Q, match",
+    [
+        (pt.tensor("A", shape=(3, 4)), pt.matrix("Q"), r"A must be square.*\(3, 4\)"),
+        (pt.matrix("A"), pt.tensor("Q", shape=(2, 3)), r"Q must be square.*\(2, 3\)"),
+        (pt.tensor("A", shape=(3, 3)), pt.tensor("Q", shape=(4, 4)), r"A has 3 but Q has 4"),
+        (pt.vector("A"), pt.matrix("Q"), r"A must have at least 2 dimensions.*ndim 1"),
+        (pt.matrix("A"), pt.scalar("Q"), r"Q must have at least 2 dimensions"),
+    ],
+)
+def test_bad_shapes(A, Q, match):
+    with pytest.raises(ValueError, match=match):
+        solve_discrete_lyapunov(A, Q)
+
+
+def test_bad_dtype_and_options():
+    with pytest.raises(TypeError, match="A must be a numeric.*dtype <U1"):
+        solve_discrete_lyapunov(np.array([["a"]]), np.eye(1))
+    with pytest.raises(ValueError, match="method"):
+        solve_discrete_lyapunov(np.eye(2), np.eye(2), method="bilinear")
+    with pytest.raises(ValueError, match="on_failure"):
+        solve_discrete_lyapunov(np.eye(2), np.eye(2), on_failure="ignore")
+    with pytest.raises(ValueError, match="max_iter"):
+        solve_discrete_lyapunov(np.eye(2), np.eye(2), max_iter=0)
+
+
+def test_runtime_shape_mismatch_is_an_error_not_garbage():
+    A, Q = pt.matrix("A"), pt.matrix("Q")
+    f = pytensor.function([A, Q], solve_discrete_lyapunov(A, Q))
+    with pytest.raises(Exception):
+        f(np.eye(3) * 0.5, np.eye(2))

@@ -1,0 +1,238 @@
+"""iterops Ops inside PyMC models: samplers, backends, PyMC features, compiled graphs.
+
+Models are tiny and sampled briefly with fixed seeds.  Oracles are independent
+of iterops: statsmodels' exact ARIMA / state-space likelihoods and maximum
+likelihood fits, scipy's Lyapunov solver and densities, and the simulated truth.
+
+* ``ar2``: the exact Gaussian AR(2) likelihood: ``(y_1, y_2)`` from the
+  stationary covariance ``iterops.solve_discrete_lyapunov(T, R Q R')`` of the
+  companion form, then the conditional normals (statsmodels ARIMA oracle).
+* ``local_level``: ``iterops.ts.kalman_filter`` likelihood of the local-level
+  model (statsmodels UnobservedComponents oracle).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pymc as pm
+import pytensor
+import pytensor.tensor as pt
+import pytest
+import scipy.linalg
+import scipy.stats
+import statsmodels.api as sm
+from pytensor.compile.mode import Mode
+from pytensor.scan.op import Scan
+from pytensor.tensor.blockwise import Blockwise
+
+import iterops
+from iterops.linalg.lyapunov import DiscreteLyapunov
+
+PHI = (0.55, -0.3)  # true AR(2) coefficients (pacf = (0.423..., -0.3))
+SIGMA = 0.7
+N_AR = 400
+
+C_MODE = Mode(linker="cvm", optimizer="fast_run")  # the C backend ("FAST_RUN" means Numba in PyTensor 3.3)
+
+
+def _quiet_sample(**kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pm.sample(progressbar=False, compute_convergence_checks=False, **kwargs)
+
+
+def _simulate_ar2(n, seed):
+    rng = np.random.default_rng(seed)
+    y = np.zeros(n + 200)
+    e = rng.normal(scale=SIGMA, size=n + 200)
+    for t in range(2, n + 200):
+        y[t] = PHI[0] * y[t - 1] + PHI[1] * y[t - 2] + e[t]
+    return y[200:]
+
+
+def ar2_model(y, lyapunov=iterops.solve_discrete_lyapunov):
+    with pm.Model() as model:
+        pacf = pm.Uniform("pacf", -1.0, 1.0, shape=2)
+        sigma = pm.HalfNormal("sigma", 5.0)
+        phi1, phi2 = pacf[0] * (1 - pacf[1]), pacf[1]
+        pm.Deterministic("phi", pt.stack([phi1, phi2]))
+        T = pt.stack([pt.stack([phi1, phi2]), pt.stack([pt.constant(1.0), pt.constant(0.0)])])
+        RQR = pt.stack([pt.stack([sigma**2, pt.constant(0.0)]), pt.zeros(2)])
+        P0 = lyapunov(T, RQR)  # Cov of (y_t, y_t-1); symmetric Toeplitz, so also of (y_1, y_2)
+        pm.MvNormal("y0", mu=pt.zeros(2), cov=P0, observed=y[:2])
+        pm.Normal("y_rest", mu=phi1 * y[1:-1] + phi2 * y[:-2], sigma=sigma, observed=y[2:])
+    return model
+
+
+def doubling_scan(A, Q, n_steps=60):
+    """The seed's Smith-doubling Scan, as users write it."""
+
+    def step(alpha, gamma):
+        new_gamma = gamma + alpha @ gamma @ alpha.T
+        return alpha @ alpha, new_gamma
+
+    _, gammas = pytensor.scan(step, outputs_info=[A, Q], n_steps=n_steps, return_updates=False)
+    return gammas[-1]
+
+
+def _stationary_cov_scipy(phi, sigma):
+    T = np.array([[phi[0], phi[1]], [1.0, 0.0]])
+    return scipy.linalg.solve_discrete_lyapunov(T, np.diag([sigma**2, 0.0]))
+
+
+@pytest.fixture(scope="module")
+def ar_y():
+    return _simulate_ar2(N_AR, seed=11)
+
+
+@pytest.fixture(scope="module")
+def ar_mle(ar_y):
+    res = sm.tsa.arima.ARIMA(ar_y, order=(2, 0, 0), trend="n").fit()
+    se = np.sqrt(np.diag(res.cov_params()))
+    return res.params, se  # (ar.L1, ar.L2, sigma2)
+
+
+@pytest.fixture(scope="module")
+def ar_idata(ar_y):
+    """Two chains in two processes (Numba backend): everything must pickle."""
+    with ar2_model(ar_y):
+        return _quiet_sample(draws=300, tune=300, chains=2, cores=2, random_seed=3, nuts_sampler="pymc")
+
+
+def _core_ops(fn):
+    ops = []
+    for node in fn.maker.fgraph.toposort():
+        op = node.op
+        ops.append(op.core_op if isinstance(op, Blockwise) else op)
+    return ops
+
+
+# ---------------------------------------------------------------------------
+# Likelihood against statsmodels
+# ---------------------------------------------------------------------------
+
+
+def test_ar2_logp_matches_statsmodels_exact_likelihood(ar_y):
+    model = ar2_model(ar_y)
+    logp = model.compile_logp(vars=model.observed_RVs, jacobian=False)
+    arima = sm.tsa.arima.ARIMA(ar_y, order=(2, 0, 0), trend="n")
+    for pacf, sigma in [((0.4, -0.3), 0.7), ((-0.8, 0.6), 1.3), ((0.95, -0.1), 0.2)]:
+        phi = (pacf[0] * (1 - pacf[1]), pacf[1])
+        point = {"pacf_interval__": scipy.special.logit((np.array(pacf) + 1) / 2), "sigma_log__": np.log(sigma)}
+        expected = arima.loglike(np.array([phi[0], phi[1], sigma**2]))
+        np.testing.assert_allclose(logp(point), expected, rtol=1e-10)
+
+
+# ---------------------------------------------------------------------------
+# Samplers and backends
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["NUMBA", C_MODE], ids=["numba", "c"])
+def test_pymc_nuts_in_numba_and_c_backends(ar_y, ar_mle, mode):
+    model = ar2_model(ar_y[:200])
+    with model:
+        idata = _quiet_sample(draws=150, tune=150, chains=1, random_seed=5, nuts_sampler="pymc",
+                              compile_kwargs={"mode": mode})
+    phi = idata.posterior["phi"].values.reshape(-1, 2)
+    assert np.all(np.isfinite(phi))
+    assert int(idata.sample_stats["diverging"].sum()) == 0
+    mle = sm.tsa.arima.ARIMA(ar_y[:200], order=(2, 0, 0), trend="n").fit().params[:2]
+    np.testing.assert_allclose(phi.mean(0), mle, atol=0.08)  # posterior sd ~ 0.07; MC error ~ 0.01
+    # the compiled gradient really runs the fused Op in this backend
+    dlogp = model.compile_dlogp(mode=mode)
+    assert any(isinstance(op, DiscreteLyapunov) for op in _core_ops(dlogp.f))
+
+
+def test_multiprocess_chains_recover_parameters(ar_idata, ar_mle):
+    post = ar_idata.posterior.to_dataset()
+    assert post.sizes["chain"] == 2
+    phi = post["phi"].values.reshape(-1, 2)
+    sigma = post["sigma"].values.ravel()
+    sd = phi.std(0)
+    # truth within 3.5 posterior sd; posterior mean near the exact MLE (flat priors, n = 400)
+    assert np.all(np.abs(phi.mean(0) - np.array(PHI)) < 3.5 * sd), (phi.mean(0), sd)
+    assert abs(sigma.mean() - SIGMA) < 3.5 * sigma.std()
+    mle, se = ar_mle
+    np.testing.assert_allclose(phi.mean(0), mle[:2], atol=0.35 * se[:2].max())
+    np.testing.assert_allclose(sd, se[:2], rtol=0.3)
+    assert int(ar_idata.sample_stats["diverging"].sum()) == 0
+
+
+def test_nutpie(ar_y, ar_mle):
+    with ar2_model(ar_y):
+        idata = _quiet_sample(draws=200, tune=200, chains=1, random_seed=7, nuts_sampler="nutpie")
+    phi = idata.posterior["phi"].values.reshape(-1, 2)
+    mle, se = ar_mle
+    np.testing.assert_allclose(phi.mean(0), mle[:2], atol=0.5 * se[:2].max())
+
+
+def test_jax_samplers_raise_a_clear_error(ar_y):
+    with ar2_model(ar_y[:50]):
+        with pytest.raises(NotImplementedError, match=r"DiscreteLyapunov.*iterops Op.*no JAX implementation"):
+            pm.sample(draws=5, tune=5, chains=1, nuts_sampler="numpyro", progressbar=False)
+    A = pt.matrix("A")
+    with pytest.raises(NotImplementedError, match="nuts_sampler='nutpie'"):
+        pytensor.function([A], iterops.solve_discrete_lyapunov(A, pt.eye(2)), mode="JAX")
+
+
+# ---------------------------------------------------------------------------
+# PyMC features
+# ---------------------------------------------------------------------------
+
+
+def test_compute_log_likelihood_matches_scipy(ar_y, ar_idata):
+    model = ar2_model(ar_y)
+    sub = ar_idata.isel(draw=slice(0, 20))
+    ll = pm.compute_log_likelihood(sub, model=model, extend_inferencedata=False, progressbar=False)
+    post = sub.posterior.to_dataset()
+    phi = post["phi"].values.reshape(-1, 2)
+    sigma = post["sigma"].values.ravel()
+    y0 = ll["y0"].values.reshape(-1)
+    y_rest = ll["y_rest"].values.reshape(len(sigma), -1)
+    for k in range(len(sigma)):
+        P0 = _stationary_cov_scipy(phi[k], sigma[k])
+        np.testing.assert_allclose(y0[k], scipy.stats.multivariate_normal(np.zeros(2), P0).logpdf(ar_y[:2]),
+                                   rtol=1e-10)
+        mu = phi[k, 0] * ar_y[1:-1] + phi[k, 1] * ar_y[:-2]
+        np.testing.assert_allclose(y_rest[k], scipy.stats.norm(mu, sigma[k]).logpdf(ar_y[2:]), rtol=1e-10)
+
+
+def test_posterior_predictive_uses_the_stationary_covariance(ar_y, ar_idata):
+    model = ar2_model(ar_y)
+    with model:
+        pp = pm.sample_posterior_predictive(ar_idata, var_names=["y0"], random_seed=2, progressbar=False)
+    y0 = pp.posterior_predictive["y0"].values.reshape(-1, 2)
+    post = ar_idata.posterior.to_dataset()
+    phi = post["phi"].values.reshape(-1, 2)
+    sigma = post["sigma"].values.ravel()
+    P0 = np.mean([_stationary_cov_scipy(p, s) for p, s in zip(phi, sigma)], axis=0)
+    # 600 draws: the sample covariance has ~6% relative sd
+    np.testing.assert_allclose(np.cov(y0.T), P0, rtol=0.25, atol=0.05 * P0[0, 0])
+
+
+def test_find_map_matches_statsmodels_mle(ar_y, ar_mle):
+    with ar2_model(ar_y):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            map_est = pm.find_MAP(progressbar=False, seed=1)
+    mle, se = ar_mle
+    np.testing.assert_allclose(map_est["phi"], mle[:2], atol=0.02 * se.max() + 1e-3)
+    np.testing.assert_allclose(map_est["sigma"] ** 2, mle[2], rtol=5e-3)
+
+
+# ---------------------------------------------------------------------------
+# Compiled graphs: fused Ops, no Scan
+# ---------------------------------------------------------------------------
+
+
+def _assert_fused_no_scan(fn, op_type):
+    ops = _core_ops(fn)
+    assert any(isinstance(op, op_type) for op in ops), [type(op).__name__ for op in ops]
+    assert not any(isinstance(op, Scan) for op in ops)
+
+
+def test_dlogp_contains_fused_lyapunov_and_no_scan(ar_y):
+    _assert_fused_no_scan(ar2_model(ar_y).compile_dlogp().f, DiscreteLyapunov)
