@@ -2,19 +2,28 @@
 
 Importing iterops registers every fused Op with PyTensor's Numba backend and
 the Scan rewrites (tag ``"iterops"``; ``mode.excluding("iterops")`` turns them
-off).
+off): the Scan -> fused Op replacement (:mod:`iterops.fusion`) and the
+gradient-Scan mit-mot -> sit-sot rewrite (:mod:`iterops.scan_grad`).
 """
 
-from iterops import linalg, ts
-from iterops import scan_grad  # noqa: F401  (registers the gradient-Scan rewrite)
-from iterops.linalg import block_diag, solve_discrete_lyapunov
-from iterops.ts import acovf, ar_to_acov, ar_to_pacf, levinson_durbin, pacf_to_ar, solve_toeplitz, yule_walker
-from iterops.ts import kalman_filter, kalman_smoother
+from iterops import _jax, linalg, scan_grad, ts  # noqa: F401  (scan_grad registers its rewrite)
 from iterops.fusion import explain, fuse_loops  # registers the Scan -> fused Op rewrites
+from iterops.linalg import block_diag, solve_discrete_lyapunov
 from iterops.loop import loop, taps
-from iterops import _jax
+from iterops.ts import (
+    acovf,
+    ar_to_acov,
+    ar_to_pacf,
+    kalman_filter,
+    kalman_smoother,
+    levinson_durbin,
+    pacf_to_ar,
+    solve_toeplitz,
+    stationary_cov,
+    yule_walker,
+)
 
-_jax.install()  # clear error under JAX backends / samplers (no JAX import here)
+_jax.install()  # a clear error under JAX backends / samplers (imports no JAX)
 
 __version__ = "0.1.0"
 
@@ -22,10 +31,19 @@ __all__ = [
     "acovf",
     "ar_to_acov",
     "ar_to_pacf",
-    "levinson_durbin",
-    "pacf_to_ar",
-    "solve_toeplitz",
-    "yule_walker",
+    "block_diag",
+    "explain",
+    "fuse_loops",
     "kalman_filter",
     "kalman_smoother",
-    "block_diag", "linalg", "loop", "solve_discrete_lyapunov", "taps", "ts"]
+    "levinson_durbin",
+    "linalg",
+    "loop",
+    "pacf_to_ar",
+    "solve_discrete_lyapunov",
+    "solve_toeplitz",
+    "stationary_cov",
+    "taps",
+    "ts",
+    "yule_walker",
+]

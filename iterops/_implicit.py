@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 import pytensor.tensor as pt
 from pytensor.gradient import DisconnectedType, disconnected_type, grad, pushforward
+from pytensor.graph.replace import graph_replace
 from pytensor.graph.basic import Variable
 
 __all__ = ["implicit_pullback", "implicit_pushforward"]
@@ -42,9 +43,11 @@ def implicit_pullback(
     residual
         ``residual(x, *params) -> F`` with ``F`` of the shape of ``x``.
     solution
-        The solver's output ``x*`` (treated as a constant).
+        The solver's output ``x*`` (held fixed: no gradient flows through it).
     params
-        The solver's inputs.
+        The solver's inputs.  The same variable may appear more than once
+        (e.g. a symmetric Toeplitz system passed as ``(c, c)``): each position
+        gets its own cotangent.
     cotangent
         ``x_bar``, the cotangent of the output.
     solve_adjoint
@@ -58,21 +61,28 @@ def implicit_pullback(
     if isinstance(cotangent.type, DisconnectedType):
         return [disconnected_type() for _ in params]
     lam = solve_adjoint(-cotangent)
-    x = pt.as_tensor_variable(solution).type()  # a fresh leaf: x is held fixed
-    F = residual(x, *params)
+    # Build the residual's VJP on fresh leaves (one per parameter *position*,
+    # so repeated inputs are not double counted), then plug the real
+    # variables in.  Only the leaves are replaced, so no existing graph is
+    # cloned: the result stays connected to the cotangent (PyTensor's
+    # double-pullback pushforward differentiates w.r.t. it) and to the
+    # solution (second derivatives flow through x*).
+    x_, lam_ = _leaf(solution), _leaf(lam)
+    params_ = [_leaf(p) for p in params]
+    F = residual(x_, *params_)
     grads = grad(
         cost=None,
-        wrt=list(params),
-        known_grads={F: lam},
+        wrt=params_,
+        known_grads={F: lam_},
         disconnected_inputs="ignore",
         return_disconnected="disconnected",
     )
-    # A parameter entering F linearly gets ``lam`` itself as cotangent, which is
-    # also an intermediate of the other cotangents.  PyTensor's double-pullback
-    # pushforward (``pullback`` with several ``f`` sharing ancestors) then
-    # overrides instead of accumulating, so hand out distinct variables.
-    grads = [g if isinstance(g.type, DisconnectedType) or g is not lam else pt.tensor_copy(g) for g in grads]
-    return _substitute(grads, {x: solution})
+    grads = _plug(grads, {x_: solution, lam_: lam, **dict(zip(params_, params))})
+    # A parameter entering F linearly gets ``lam`` itself as cotangent, which
+    # is also an intermediate of the other cotangents; PyTensor's pullback of
+    # several ``f`` sharing ancestors overrides instead of accumulating, so
+    # hand out a distinct variable.
+    return [pt.tensor_copy(g) if g is lam else g for g in grads]
 
 
 def implicit_pushforward(
@@ -86,22 +96,31 @@ def implicit_pushforward(
 
     ``solve_tangent(rhs)`` returns ``y`` with ``(dF/dx) y = rhs``.
     """
-    pairs = [(p, t) for p, t in zip(params, tangents) if not isinstance(t.type, DisconnectedType)]
+    pairs = [(i, t) for i, t in enumerate(tangents) if not isinstance(t.type, DisconnectedType)]
     if not pairs:
         return disconnected_type()
-    x = pt.as_tensor_variable(solution).type()
-    F = residual(x, *params)
+    x_ = _leaf(solution)
+    params_ = [_leaf(p) for p in params]
+    F = residual(x_, *params_)
     # One pushforward per parameter, summed: PyTensor 3.3's double-pullback
     # pushforward drops terms when a parameter enters the residual linearly
     # (its pullback is the cotangent itself), so never pass several at once.
-    dF = sum(pushforward(F, p, t, disconnected_outputs="ignore") for p, t in pairs)
-    (dF,) = _substitute([dF], {x: solution})
+    replace = {x_: solution, **dict(zip(params_, params))}
+    dF = 0
+    for i, t in pairs:
+        t_ = _leaf(t)
+        replace[t_] = t
+        dF = dF + pushforward(F, params_[i], t_, disconnected_outputs="ignore")
+    (dF,) = _plug([dF], replace)
     return solve_tangent(-dF)
 
 
-def _substitute(outputs, replace):
-    from pytensor.graph.replace import graph_replace
+def _leaf(v: Variable) -> Variable:
+    return pt.as_tensor_variable(v).type()
 
+
+def _plug(outputs, replace):
+    """Substitute leaves by the real variables (no other node is cloned)."""
     keep = [o for o in outputs if not isinstance(o.type, DisconnectedType)]
     if not keep:
         return list(outputs)

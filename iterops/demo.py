@@ -29,8 +29,8 @@ Each model is written twice: with ``iterops.ts.kalman_filter`` (one fused
 Numba Op and its hand-written adjoint) and the way PyMC users write it today:
 a ``pytensor.scan`` Kalman filter (:func:`scan_kalman_filter`) with PyTensor's
 own ``solve_discrete_lyapunov``.  Both are sampled in the same run with the same
-NUTS sampler (nutpie when installed, as ``pm.sample`` does by default; PyMC's
-NUTS otherwise or with ``--sampler pymc``); the summary table reports compile
+NUTS sampler (PyMC's NUTS by default; ``--sampler nutpie``, or ``auto`` for
+nutpie when installed as ``pm.sample`` does); the summary table reports compile
 time (everything ``pm.sample`` does before the first draw), sampling wall time
 and bulk effective sample size per second (``arviz.ess``, minimum over the
 parameters).  Figures go to ``--output`` (default ``demo_output/``):
@@ -221,55 +221,44 @@ MODELS = {
 # ---------------------------------------------------------------------------
 
 
-def _system_at_draws(spec: DemoModel, post, y):
-    """System matrices with a leading batch axis of posterior draws (numpy in, tensors out)."""
+def _state_function(spec: DemoModel, y):
+    """Compiled ``f(*params) -> (filtered_state, filtered_cov, smoothed_state, smoothed_cov, d)``."""
+    Y = y[:, None]
     if spec.name == "nile":
-        so, sl = post["sigma_obs"], post["sigma_level"]
-        k = len(so)
-        one = np.ones((k, 1, 1))
-        return (np.full((k, 1), y[0]), 1e6 * one, np.zeros((k, 1)), np.zeros((k, 1)), one, one, one,
-                so[:, None, None] ** 2, sl[:, None, None] ** 2)
-    mean, pacf = post["mean"], post["pacf"]
-    ss, so = post["sigma_state"], post["sigma_obs"]
-    phi1, phi2 = pacf[:, 0] * (1 - pacf[:, 1]), pacf[:, 1]
-    k = len(mean)
-    T = np.zeros((k, 2, 2))
-    T[:, 0, 0], T[:, 0, 1], T[:, 1, 0] = phi1, phi2, 1.0
-    R = np.broadcast_to(np.array([[1.0], [0.0]]), (k, 2, 1))
-    Q = ss[:, None, None] ** 2
-    P0 = iterops.solve_discrete_lyapunov(T, R @ Q @ np.swapaxes(R, -1, -2))
-    Z = np.broadcast_to(np.array([[1.0, 0.0]]), (k, 1, 2))
-    return (np.zeros((k, 2)), P0, np.zeros((k, 2)), mean[:, None], T, Z, R, so[:, None, None] ** 2, Q)
+        inputs = [pt.dscalar("sigma_obs"), pt.dscalar("sigma_level")]
+        system = local_level_system(*inputs, y[0])
+    else:
+        inputs = [pt.dscalar("mean"), pt.dvector("pacf"), pt.dscalar("sigma_state"), pt.dscalar("sigma_obs")]
+        _, system = ar2_noise_system(*inputs)
+    filt = iterops.ts.kalman_filter(Y, *system)
+    smooth = iterops.ts.kalman_smoother(Y, *system)
+    outs = [filt.filtered_state, filt.filtered_cov, smooth.smoothed_state, smooth.smoothed_cov, system[3]]
+    return pytensor.function(inputs, outs)
 
 
 def state_bands(spec: DemoModel, idata, y, n_draws=200, seed=0):
-    """Filtered (and smoothed, when iterops has a smoother) signal: mean and sd over draws.
+    """Filtered and smoothed signal ``d + Z alpha_t``: mean and sd over posterior draws.
 
-    Runs the fused filter once for ``n_draws`` posterior draws at a time (a batch
-    dimension), then mixes: mean of means, variance = mean of variances + variance
-    of means.  The plotted signal is ``d + Z alpha_t`` (level / mean + AR signal).
+    One compiled filter + smoother, called at ``n_draws`` posterior draws; the
+    draws are mixed (mean of means; variance = mean of variances + variance of
+    means).  Returns ``{"filtered": (mean, sd), "smoothed": (mean, sd)}``, each (n,).
     """
     post = idata.posterior.to_dataset().stack(sample=("chain", "draw"))
     rng = np.random.default_rng(seed)
     idx = rng.choice(post.sizes["sample"], size=min(n_draws, post.sizes["sample"]), replace=False)
     draws = {p: np.moveaxis(post[p].values, -1, 0)[idx] for p in spec.params}
-    system = _system_at_draws(spec, draws, y)
-    yb = y[:, None]
-    res = iterops.ts.kalman_filter(yb, *system)
-    d = system[3]
+    fn = _state_function(spec, y)
+    mus = {"filtered": [], "smoothed": []}
+    vars_ = {"filtered": [], "smoothed": []}
+    for k in range(len(idx)):
+        a_f, P_f, a_s, P_s, d = fn(*(draws[p][k] for p in spec.params))
+        for kind, a, P in (("filtered", a_f, P_f), ("smoothed", a_s, P_s)):
+            mus[kind].append(a[:, 0] + d[0])
+            vars_[kind].append(P[:, 0, 0])
     out = {}
-    kinds = [("filtered", res.filtered_state, res.filtered_cov)]
-    if hasattr(iterops.ts, "kalman_smoother"):
-        sm = iterops.ts.kalman_smoother(yb, *system)
-        kinds.append(("smoothed", sm.smoothed_state, sm.smoothed_cov))
-    fn = pytensor.function([], [x for _, s, c in kinds for x in (s, c)])
-    vals = fn()
-    for i, (kind, _, _) in enumerate(kinds):
-        state, cov = vals[2 * i], vals[2 * i + 1]
-        mu = state[..., 0] + np.asarray(d)[:, :1]  # (draws, n)
-        var = cov[..., 0, 0]
-        m = mu.mean(0)
-        out[kind] = (m, np.sqrt(var.mean(0) + mu.var(0)))
+    for kind in mus:
+        mu, var = np.array(mus[kind]), np.array(vars_[kind])
+        out[kind] = (mu.mean(0), np.sqrt(var.mean(0) + mu.var(0)))
     return out
 
 
@@ -407,8 +396,8 @@ def plot_timing(runs: list[Run], path: Path):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m iterops.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    parser.add_argument("--sampler", choices=["auto", "pymc", "nutpie"], default="auto",
-                        help="NUTS implementation (auto: nutpie when installed, as pm.sample does)")
+    parser.add_argument("--sampler", choices=["auto", "pymc", "nutpie"], default="pymc",
+                        help="NUTS implementation (default pymc; auto: nutpie when installed, as pm.sample does)")
     parser.add_argument("--draws", type=int, default=500)
     parser.add_argument("--tune", type=int, default=500)
     parser.add_argument("--chains", type=int, default=2)
@@ -436,7 +425,10 @@ def main(argv=None) -> int:
         model_runs = []
         for impl in impls:
             print(f"\n== {spec.title} [{impl}] ==", flush=True)
-            idata, c_s, s_s, ess = fit(spec.build(y, impl), sampler=sampler, draws=args.draws, tune=args.tune,
+            model = spec.build(y, impl)
+            if impl == "scan":  # this Joseph-form loop is not a pattern iterops replaces: it stays a Scan
+                print(iterops.explain(model.logp()), flush=True)
+            idata, c_s, s_s, ess = fit(model, sampler=sampler, draws=args.draws, tune=args.tune,
                                        chains=args.chains, cores=args.cores, seed=args.seed,
                                        progressbar=not args.no_progressbar, params=spec.params)
             run = Run(name, impl, sampler, c_s, s_s, ess, idata)

@@ -419,7 +419,7 @@ def test_second_derivative_raises():
     "change, match",
     [
         (dict(Z=np.ones((2, 3))), r"Z must be \(p, m\)"),
-        (dict(y=np.ones((5, 3))), r"Z must be \(p, m\)"),
+        (dict(y=np.ones((5, 3))), r"d must have p entries \(y's last dimension\)"),
         (dict(T=np.ones((2, 3))), r"T must be square"),
         (dict(H=np.ones((2, 3))), r"H must be square"),
         (dict(Q=np.ones((1, 2))), r"Q must be square"),

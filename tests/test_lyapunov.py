@@ -193,6 +193,12 @@ def test_verify_grad(method, rng):
     verify_grad(lambda A, Q: solve_discrete_lyapunov(A, Q, method=method), [a, q], rng=rng)
 
 
+def test_verify_grad_same_variable_in_both_positions(rng):
+    # each input position gets its own cotangent; the total is their sum
+    a = stable(rng, 3, 0.6)
+    verify_grad(lambda A: solve_discrete_lyapunov(A, A), [a], rng=rng)
+
+
 def test_verify_grad_batched_broadcast(rng):
     a = np.stack([stable(rng, 3, 0.6), stable(rng, 3, 0.9)])
     q = spd(rng, 3)

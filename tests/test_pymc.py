@@ -21,6 +21,7 @@ import pytensor
 import pytensor.tensor as pt
 import pytest
 import scipy.linalg
+import scipy.special
 import scipy.stats
 import statsmodels.api as sm
 from pytensor.compile.mode import Mode
@@ -28,7 +29,9 @@ from pytensor.scan.op import Scan
 from pytensor.tensor.blockwise import Blockwise
 
 import iterops
+from iterops import demo
 from iterops.linalg.lyapunov import DiscreteLyapunov
+from iterops.ts.kalman import KalmanFilterGrad
 
 PHI = (0.55, -0.3)  # true AR(2) coefficients (pacf = (0.423..., -0.3))
 SIGMA = 0.7
@@ -64,17 +67,6 @@ def ar2_model(y, lyapunov=iterops.solve_discrete_lyapunov):
         pm.MvNormal("y0", mu=pt.zeros(2), cov=P0, observed=y[:2])
         pm.Normal("y_rest", mu=phi1 * y[1:-1] + phi2 * y[:-2], sigma=sigma, observed=y[2:])
     return model
-
-
-def doubling_scan(A, Q, n_steps=60):
-    """The seed's Smith-doubling Scan, as users write it."""
-
-    def step(alpha, gamma):
-        new_gamma = gamma + alpha @ gamma @ alpha.T
-        return alpha @ alpha, new_gamma
-
-    _, gammas = pytensor.scan(step, outputs_info=[A, Q], n_steps=n_steps, return_updates=False)
-    return gammas[-1]
 
 
 def _stationary_cov_scipy(phi, sigma):
@@ -130,20 +122,49 @@ def test_ar2_logp_matches_statsmodels_exact_likelihood(ar_y):
 # ---------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def tiny():
+    """y_i iid N(0, P), P = a^2 P + 1 (AR(1) stationary variance); posterior of ``a`` by quadrature."""
+    y = np.random.default_rng(8).normal(scale=1.0 / np.sqrt(1 - 0.6**2), size=40)
+    grid = np.linspace(0.0, 0.95, 4001)[1:-1]
+    logpost = np.array([scipy.stats.norm(0, 1 / np.sqrt(1 - g**2)).logpdf(y).sum() for g in grid])
+    w = np.exp(logpost - logpost.max())
+    mean = np.sum(w * grid) / w.sum()
+    return y, mean, np.sqrt(np.sum(w * grid**2) / w.sum() - mean**2)
+
+
+def tiny_model(y):
+    with pm.Model() as model:
+        a = pm.Uniform("a", 0.0, 0.95)  # only a^2 matters: keep the posterior unimodal
+        P = iterops.solve_discrete_lyapunov(pt.reshape(a, (1, 1)), pt.ones((1, 1)))
+        pm.Normal("y", 0.0, pt.sqrt(P[0, 0]), observed=y)
+    return model
+
+
+def _check_tiny_posterior(idata, mean, sd):
+    draws = idata.posterior["a"].values.ravel()
+    assert abs(draws.mean() - mean) < 0.3 * sd, (draws.mean(), mean, sd)  # MC error ~ sd / sqrt(ESS ~ 150)
+    np.testing.assert_allclose(draws.std(), sd, rtol=0.25)
+
+
 @pytest.mark.parametrize("mode", ["NUMBA", C_MODE], ids=["numba", "c"])
-def test_pymc_nuts_in_numba_and_c_backends(ar_y, ar_mle, mode):
-    model = ar2_model(ar_y[:200])
+def test_pymc_nuts_in_numba_and_c_backends(tiny, mode):
+    y, mean, sd = tiny
+    model = tiny_model(y)
     with model:
-        idata = _quiet_sample(draws=150, tune=150, chains=1, random_seed=5, nuts_sampler="pymc",
+        idata = _quiet_sample(draws=400, tune=300, chains=1, random_seed=5, nuts_sampler="pymc",
                               compile_kwargs={"mode": mode})
-    phi = idata.posterior["phi"].values.reshape(-1, 2)
-    assert np.all(np.isfinite(phi))
-    assert int(idata.sample_stats["diverging"].sum()) == 0
-    mle = sm.tsa.arima.ARIMA(ar_y[:200], order=(2, 0, 0), trend="n").fit().params[:2]
-    np.testing.assert_allclose(phi.mean(0), mle, atol=0.08)  # posterior sd ~ 0.07; MC error ~ 0.01
+    _check_tiny_posterior(idata, mean, sd)
     # the compiled gradient really runs the fused Op in this backend
     dlogp = model.compile_dlogp(mode=mode)
     assert any(isinstance(op, DiscreteLyapunov) for op in _core_ops(dlogp.f))
+
+
+def test_nutpie(tiny):
+    y, mean, sd = tiny
+    with tiny_model(y):
+        idata = _quiet_sample(draws=400, tune=300, chains=1, random_seed=7, nuts_sampler="nutpie")
+    _check_tiny_posterior(idata, mean, sd)
 
 
 def test_multiprocess_chains_recover_parameters(ar_idata, ar_mle):
@@ -159,14 +180,6 @@ def test_multiprocess_chains_recover_parameters(ar_idata, ar_mle):
     np.testing.assert_allclose(phi.mean(0), mle[:2], atol=0.35 * se[:2].max())
     np.testing.assert_allclose(sd, se[:2], rtol=0.3)
     assert int(ar_idata.sample_stats["diverging"].sum()) == 0
-
-
-def test_nutpie(ar_y, ar_mle):
-    with ar2_model(ar_y):
-        idata = _quiet_sample(draws=200, tune=200, chains=1, random_seed=7, nuts_sampler="nutpie")
-    phi = idata.posterior["phi"].values.reshape(-1, 2)
-    mle, se = ar_mle
-    np.testing.assert_allclose(phi.mean(0), mle[:2], atol=0.5 * se[:2].max())
 
 
 def test_jax_samplers_raise_a_clear_error(ar_y):
@@ -236,3 +249,70 @@ def _assert_fused_no_scan(fn, op_type):
 
 def test_dlogp_contains_fused_lyapunov_and_no_scan(ar_y):
     _assert_fused_no_scan(ar2_model(ar_y).compile_dlogp().f, DiscreteLyapunov)
+
+
+# ---------------------------------------------------------------------------
+# Kalman-filter models (the demo's)
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def level_data():
+    rng = np.random.default_rng(21)
+    n, s_obs, s_lvl = 150, 1.0, 0.5
+    level = 10 + np.cumsum(s_lvl * rng.normal(size=n))
+    return level + s_obs * rng.normal(size=n), (s_obs, s_lvl)
+
+
+def _potential_fn(model):
+    """The model's Kalman log-likelihood term as a function of the (transformed) values."""
+    (loglik,) = model.replace_rvs_by_values(model.potentials)
+    return pytensor.function(model.value_vars, loglik)
+
+
+def _ucm_loglike(y, s_obs, s_lvl):
+    ucm = sm.tsa.UnobservedComponents(y, "llevel")
+    ucm.ssm.initialize_known(np.array([y[0]]), np.array([[1e6]]))
+    ucm.loglikelihood_burn = 0
+    return ucm.loglike([s_obs**2, s_lvl**2])
+
+
+def test_local_level_loglik_matches_statsmodels(level_data):
+    y, _ = level_data
+    model = demo.local_level_model(y)
+    f = _potential_fn(model)
+    for s_obs, s_lvl in [(1.0, 0.5), (0.3, 2.0)]:
+        np.testing.assert_allclose(f(np.log(s_obs), np.log(s_lvl)), _ucm_loglike(y, s_obs, s_lvl), rtol=1e-10)
+
+
+def test_inflation_model_loglik_matches_statsmodels():
+    _, y = demo.load_inflation()
+    model = demo.ar2_noise_model(y)
+    f = _potential_fn(model)
+    sarimax = sm.tsa.SARIMAX(y, order=(2, 0, 0), trend="c", measurement_error=True)
+    for mean, pacf, s_state, s_obs in [(4.0, (0.8, 0.1), 1.5, 1.0), (3.0, (-0.3, 0.5), 0.5, 2.0)]:
+        phi1, phi2 = pacf[0] * (1 - pacf[1]), pacf[1]
+        expected = sarimax.loglike([mean * (1 - phi1 - phi2), phi1, phi2, s_obs**2, s_state**2])
+        value = f(mean, scipy.special.logit((np.array(pacf) + 1) / 2), np.log(s_state), np.log(s_obs))
+        np.testing.assert_allclose(value, expected, rtol=1e-10)
+
+
+def test_scan_baseline_matches_statsmodels(level_data):
+    """The demo's Scan Kalman filter (the baseline of the speed comparison) is a correct filter."""
+    y, _ = level_data
+    s_obs, s_lvl = pt.dscalars("s_obs", "s_lvl")
+    ll = demo.scan_kalman_filter(y[:, None], *demo.local_level_system(s_obs, s_lvl, y[0]))[0]
+    f = pytensor.function([s_obs, s_lvl], ll, mode=Mode(linker="py", optimizer="fast_compile").excluding("iterops"))
+    np.testing.assert_allclose(f(0.8, 0.4), _ucm_loglike(y, 0.8, 0.4), rtol=1e-9)
+
+
+def test_local_level_recovery_and_fused_dlogp(level_data):
+    y, truth = level_data
+    model = demo.local_level_model(y)
+    _assert_fused_no_scan(model.compile_dlogp().f, KalmanFilterGrad)
+    with model:
+        idata = _quiet_sample(draws=300, tune=300, chains=1, random_seed=4, nuts_sampler="pymc")
+    post = idata.posterior.to_dataset()
+    for name, value in zip(("sigma_obs", "sigma_level"), truth):
+        draws = post[name].values.ravel()
+        assert abs(draws.mean() - value) < 3 * draws.std(), (name, draws.mean(), draws.std(), value)

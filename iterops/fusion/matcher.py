@@ -8,21 +8,34 @@ Nothing here knows a specific algorithm.  For a ``Scan`` node and a
    same PyTensor rewrites (``canonicalize``, iterops' own rewrites excluded).
    This removes most spelling differences: ``@`` / ``dot`` / ``matrix_dot``
    all become ``Dot``; ``.T`` / ``.mT`` / ``transpose`` one transpose; ``conj``
-   of a real matrix disappears; constants fold;
+   of a real matrix disappears; constants fold.  Before that, the user's
+   inner graph is rebuilt on inputs without static shapes (canonicalization
+   specializes on them: a sum over a length-1 axis becomes a squeeze) and
+   both graphs inline ``OpFromGraph`` nodes (e.g. ``pt.diag``) and spell a
+   matrix-vector ``dot`` as ``@``;
 2. the two graphs are *unified*: walking both from the outputs, reference
    inputs (roles) are bound to user inner inputs of the same kind (sequence,
    state, non-sequence), so the order and names of the user's sequences,
    states, non-sequences and outputs do not matter.  Operand order of
    commutative operations (``add``, ``mul``, ``maximum``, ``and``, ...) is
-   free, nested ``add``/``mul`` are flattened, chains of ``Dot`` are compared
-   as products (associativity), ``a > b`` equals ``b < a``, float casts and
-   ``specify_shape`` are transparent, and a role marked ``constant_ok`` (a
-   tolerance) may be a constant in the user's step.  Static shape constants
-   match ``x.shape[d]`` when ``x``'s static shape says so;
+   free, nested ``add``/``mul`` are flattened, sums with ``sub``/``neg``/
+   ``-1 *`` are compared as sums of signed terms, chains of ``Dot`` (and
+   matrix-vector products) are compared as products (associativity),
+   ``a > b`` equals ``b < a``, float casts and ``specify_shape`` are
+   transparent, and a role marked ``constant_ok`` (a tolerance, a jitter) may
+   be a constant in the user's step, also where the reference broadcasts it.
+   Static shape constants match ``x.shape[d]`` when ``x``'s static shape says
+   so, and a reference expression of shapes and constant roles (``eye(m) *
+   jitter``) matches a user constant when, specialized to the user's static
+   shapes and constants, it folds to that constant;
+   Per-step outputs (``outputs_info=None``) of the user's loop that are used
+   outside must each unify with one of the pattern's ``outputs``;
 3. the outer graph is checked: states the replacement cannot provide are
    unused, states provided only as a final value are used only through their
-   last element (``out[-1]``), extra outputs are unused, and the pattern's own
-   ``check`` accepts ``n_steps`` and the initial values.
+   last element (``out[-1]``), traced states through ``pytensor.scan``'s
+   views (the trace, its last element, the buffer with the initial value),
+   other extra outputs are unused, and the pattern's own ``check`` accepts
+   ``n_steps`` and the initial values.
 
 A failed unification reports the deepest point where the graphs differ, which
 ``iterops.explain`` shows for near misses.
@@ -31,6 +44,7 @@ A failed unification reports the deepest point where the graphs differ, which
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -42,7 +56,6 @@ from pytensor.compile.ops import DeepCopyOp, ViewOp
 from pytensor.graph.basic import Constant, Variable
 from pytensor.graph.traversal import ancestors, io_toposort
 from pytensor.graph.fg import FunctionGraph, Output
-from pytensor.graph.replace import clone_replace
 from pytensor.graph.rewriting.utils import rewrite_graph
 from pytensor.scan.op import Scan
 from pytensor.scan.utils import ScanArgs, until
@@ -162,12 +175,16 @@ def _rebuild(inputs, outputs, new_inputs):
 
     An ``OpFromGraph`` keeps the static types it was built for (calling it on
     a less specific input inserts a ``specify_shape``), so its inner graph is
-    rebuilt in place instead; the reference steps get the same treatment.
+    rebuilt in place instead; a matrix-vector ``Dot`` becomes ``@`` (the two
+    canonicalize differently).  The reference steps get the same treatment.
     """
     memo = dict(zip(inputs, new_inputs))
     for node in io_toposort(inputs, outputs):
         ins = [memo.get(i, i) for i in node.inputs]
-        if isinstance(node.op, OpFromGraph):
+        if isinstance(node.op, Dot) and sorted(i.type.ndim for i in ins) == [1, 2]:
+            # pt.dot(X, x) of a vector, spelled X @ x: canonicalized alike
+            outs = [pt.matmul(*ins)]
+        elif isinstance(node.op, OpFromGraph):
             fg = node.op.fgraph.unfreeze() if hasattr(node.op.fgraph, "unfreeze") else node.op.fgraph.clone()
             outs = _rebuild(list(fg.inputs), list(fg.outputs), ins)
         else:
@@ -333,8 +350,30 @@ def _flatten(v, stype):
     return [v]
 
 
+def _matvec(v):
+    """``(X, x)`` if ``v`` is ``X @ x`` as canonicalized (``squeeze(dot(X, expand_dims(x, 1)), 1)``), else None.
+
+    ``pt.dot(X, x)`` of a vector stays a ``Dot`` of the vector; both are the
+    product ``X x``.
+    """
+    node = v.owner
+    if node is None or not isinstance(node.op, DimShuffle) or tuple(node.op.new_order) != (0,):
+        return None
+    d = _strip(node.inputs[0])
+    if d.owner is None or not isinstance(d.owner.op, Dot) or d.type.ndim != 2:
+        return None
+    X, e = d.owner.inputs
+    e = _strip(e)
+    if e.owner is not None and isinstance(e.owner.op, DimShuffle) and tuple(e.owner.op.new_order) == (0, "x"):
+        return X, e.owner.inputs[0]
+    return None
+
+
 def _dot_factors(v):
     v = _strip(v)
+    mv = _matvec(v)
+    if mv is not None:
+        return [x for i in mv for x in _dot_factors(i)]
     if v.owner is not None and isinstance(v.owner.op, Dot):
         return [x for i in v.owner.inputs for x in _dot_factors(i)]
     return [v]
@@ -401,12 +440,47 @@ class _Env:
         return _Env(self.roles, self.users, (*self.pending, item))
 
 
+def _signed_terms(v, sign=1):
+    """Terms of nested add / sub / neg as ``(sign, term)``: ``a - (b - c)`` is ``[(1, a), (-1, b), (1, c)]``."""
+    v = _strip(v)
+    st = _scalar_type(v)
+    if st is ps.Add:
+        return [t for i in v.owner.inputs for t in _signed_terms(i, sign)]
+    if st is ps.Sub:
+        return [*_signed_terms(v.owner.inputs[0], sign), *_signed_terms(v.owner.inputs[1], -sign)]
+    if st is ps.Neg:
+        return _signed_terms(v.owner.inputs[0], -sign)
+    if st is ps.Mul and len(v.owner.inputs) == 2:
+        # (-1) * x
+        for i, x in enumerate(v.owner.inputs):
+            if _is_constant(_strip(x)) and np.all(np.asarray(_strip(x).data) == -1) and \
+                    np.asarray(_strip(x).data).ndim <= v.type.ndim:
+                other = v.owner.inputs[1 - i]
+                if other.type.broadcastable == v.type.broadcastable:
+                    return _signed_terms(other, -sign)
+    return [(sign, v)]
+
+
+_NEG: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _negated(v):
+    """``-v`` (one node per ``v``, so signatures are cached)."""
+    n = _NEG.get(v)
+    if n is None:
+        n = _NEG[v] = pt.neg(v)
+    return n
+
+
 def _form(v):
     """``(key, children, ordered)`` of a non-leaf variable, after normalization."""
     op = v.owner.op
     st = _scalar_type(v)
-    if isinstance(op, Dot):
+    if isinstance(op, Dot) or _matvec(v) is not None:
         return "dot", _dot_factors(v), True
+    if st in (ps.Add, ps.Sub):
+        # a sum of signed terms: (y - Z a) - d equals (y - d) - Z a
+        return ps.Add, [t if sgn > 0 else _negated(t) for sgn, t in _signed_terms(v)], False
     if st in _ASSOCIATIVE:
         return st, _flatten(v, st), False
     if st in _COMMUTATIVE:

@@ -99,20 +99,31 @@ def _step_up(kappa):
 
 @numba.njit(cache=True)
 def _step_up_vjp(kappa, A, phi_bar):
-    """Cotangent of ``kappa`` given the cotangent ``phi_bar`` of the last level."""
+    """Cotangent of ``kappa`` given the cotangent ``phi_bar`` of the last level.
+
+    Level k: ``phi_{k,k} = kappa_k``, ``phi_{k,j} = phi_{k-1,j} - kappa_k phi_{k-1,k-j}``, so
+    ``kappa_bar_k = g_k - sum_j g_j phi_{k-1,k-j}`` and ``g_i <- g_i - kappa_k g_{k-i}``,
+    done in place on the pairs (i, k-1-i) (0-based).
+    """
     p = kappa.shape[0]
     g = phi_bar.copy()  # cotangent of level k (first k+1 entries)
-    prev = np.zeros(p)
     kappa_bar = np.zeros(p)
     for k in range(p - 1, -1, -1):
+        kap = kappa[k]
         kb = g[k]
-        prev[:k] = 0.0
-        for j in range(k):
-            kb -= g[j] * A[k - 1, k - 1 - j]
-            prev[j] += g[j]
-            prev[k - 1 - j] -= kappa[k] * g[j]
+        for i in range(k // 2):
+            i2 = k - 1 - i
+            a = g[i]
+            b = g[i2]
+            kb -= a * A[k - 1, i2] + b * A[k - 1, i]
+            g[i] = a - kap * b
+            g[i2] = b - kap * a
+        if k % 2 == 1:  # middle element pairs with itself
+            i = k // 2
+            a = g[i]
+            kb -= a * A[k - 1, i]
+            g[i] = a - kap * a
         kappa_bar[k] = kb
-        g[:k] = prev[:k]
     return kappa_bar
 
 
@@ -126,7 +137,7 @@ def _step_up_jvp(kappa, A, kappa_dot):
         for j in range(k):
             new[j] = d[j] - kappa_dot[k] * A[k - 1, k - 1 - j] - kappa[k] * d[k - 1 - j]
         new[k] = kappa_dot[k]
-        d[: k + 1] = new[: k + 1]
+        d, new = new, d
     return d
 
 
@@ -157,17 +168,16 @@ def _step_down_vjp(A, kappa_bar, level_bar):
     g = np.zeros(p)  # cotangent of level k-1 (first k entries)
     new = np.zeros(p)
     for k in range(p):
-        for j in range(k + 1):
-            new[j] = level_bar[k, j]
-        new[k] += kappa_bar[k]
         kap = A[k, k]
         d = 1.0 - kap * kap
-        for j in range(k):  # A[k-1, j] = (A[k, j] + kap A[k, k-1-j]) / d
-            gj = g[j] / d
-            new[j] += gj
-            new[k - 1 - j] += kap * gj
-            new[k] += gj * (A[k, k - 1 - j] + 2.0 * kap * A[k - 1, j])
-        g[: k + 1] = new[: k + 1]
+        # A[k-1, j] = (A[k, j] + kap A[k, k-1-j]) / d  for j < k
+        kb = level_bar[k, k] + kappa_bar[k]
+        for j in range(k):
+            kb += g[j] * (A[k, k - 1 - j] + 2.0 * kap * A[k - 1, j]) / d
+        for i in range(k):
+            new[i] = level_bar[k, i] + (g[i] + kap * g[k - 1 - i]) / d
+        new[k] = kb
+        g, new = new, g
     return g
 
 
@@ -247,13 +257,27 @@ def _acov_jvp(kappa, A, gam, kappa_dot, D):
 
 @numba.njit(cache=True)
 def pacf_to_ar_kernel(kappa):
-    """AR(p) coefficients from partial autocorrelations; NaN unless all |kappa| < 1."""
+    """AR(p) coefficients from partial autocorrelations; NaN unless all |kappa| < 1.
+
+    The step-up recursion in place on the pairs (j, k-1-j): no stored levels.
+    """
     p = kappa.shape[0]
     if not _pacf_ok(kappa):
         return np.full(p, np.nan)
-    if p == 0:
-        return np.zeros(0)
-    return _step_up(kappa)[p - 1].copy()
+    phi = np.zeros(p)
+    for k in range(p):
+        kap = kappa[k]
+        for i in range(k // 2):
+            i2 = k - 1 - i
+            a = phi[i]
+            b = phi[i2]
+            phi[i] = a - kap * b
+            phi[i2] = b - kap * a
+        if k % 2 == 1:
+            i = k // 2
+            phi[i] = phi[i] * (1.0 - kap)
+        phi[k] = kap
+    return phi
 
 
 @numba.njit(cache=True)
@@ -354,6 +378,7 @@ class _VectorMap(FusedOp):
     """Core Op ``(p)->(p)`` shared by :class:`PacfToAR` and :class:`ARToPacf`."""
 
     __props__ = ()
+    kernel_version = 2
     gufunc_signature = "(p)->(p)"
     fn: str
 
@@ -401,6 +426,7 @@ class ARToAcov(FusedOp):
     """Core Op ``(p),()->(l)`` with ``l = nlags + 1``; use :func:`ar_to_acov`."""
 
     __props__ = ("nlags",)
+    kernel_version = 2
     gufunc_signature = "(p),()->(l)"
 
     def __init__(self, nlags: int):
@@ -451,6 +477,7 @@ class ARDerivative(FusedOp):
     """
 
     __props__ = ("fn", "mode", "nlags")
+    kernel_version = 2
     gufunc_signature = "(p),(q)->(r)"
 
     def __init__(self, fn: str, mode: str, nlags: int = -1):
@@ -613,7 +640,9 @@ def ar_to_acov(phi, sigma2, nlags: int) -> TensorVariable:
 def _static_int(func: str, name: str, value, minimum: int) -> int:
     """A static Python integer >= ``minimum`` (ValueError naming ``name`` otherwise)."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise ValueError(f"{func}: {name} must be a static Python integer, got {value!r} of type {type(value).__name__}")
+        raise ValueError(
+            f"{func}: {name} must be a static Python integer, got {value!r} of type {type(value).__name__}"
+        )
     if value < minimum:
         raise ValueError(f"{func}: {name} must be >= {minimum}, got {value}")
     return int(value)

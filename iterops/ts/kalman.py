@@ -148,7 +148,7 @@ class KalmanFilterResult(NamedTuple):
 # ---------------------------------------------------------------------------
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _cholesky(F, L, k):
     """Lower Cholesky of ``F[:k, :k]`` into ``L[:k, :k]``; False if not PD / not finite."""
     for j in range(k):
@@ -167,7 +167,7 @@ def _cholesky(F, L, k):
     return True
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _cho_solve_vec(L, k, b, x):
     """x[:k] = (L L^T)^{-1} b[:k]; ``x`` may alias ``b``."""
     for i in range(k):
@@ -182,7 +182,7 @@ def _cho_solve_vec(L, k, b, x):
         x[i] = s / L[i, i]
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _observe(a, yt, dt, Zt, mv, use_mv, v, obs):
     """v = y_t - d_t - Z_t a (NaN where missing); ``obs[:k]`` = observed indices.  Returns k."""
     m = a.shape[0]
@@ -202,7 +202,7 @@ def _observe(a, yt, dt, Zt, mv, use_mv, v, obs):
     return k
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _cov_update(P, Zt, Ht, jitter, obs, k, F, Zo, Ho, M, L, K, A, Pf, tmp):
     """Covariance part of the measurement update.  Returns ``(ok, log|F_oo|)``.
 
@@ -293,7 +293,7 @@ def _cov_update(P, Zt, Ht, jitter, obs, k, F, Zo, Ho, M, L, K, A, Pf, tmp):
     return True, logdet
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _mean_update(a, v, obs, k, logdet, L, K, w, af):
     """w = F_oo^{-1} v_o; a_f = a + K v_o.  Returns the step's log-likelihood."""
     m = a.shape[0]
@@ -311,7 +311,7 @@ def _mean_update(a, v, obs, k, logdet, L, K, w, af):
     return -0.5 * (k * _LOG_2PI + logdet + quad)
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _predict_mean(af, ct, Tt, a_next):
     """a' = T a_f + c."""
     m = af.shape[0]
@@ -322,7 +322,7 @@ def _predict_mean(af, ct, Tt, a_next):
         a_next[i] = s
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _predict_cov(Pf, Tt, Rt, Qt, P_next, tmp, tmp2):
     """P' = sym(T P_f T^T) + sym(R Q R^T)."""
     m = Pf.shape[0]
@@ -371,7 +371,7 @@ def _workspace(m, p, r):
     )
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _ti(X, t):
     """Time index into a system array with a leading time axis of length 1 (static) or n."""
     return t if X.shape[0] > 1 else 0
@@ -775,13 +775,22 @@ def _check_shapes(y, a0, P0, c, d, T, Z, R, H, Q, tv):
 _check_shapes_jit = numba.njit(cache=True)(_check_shapes)
 
 
+@numba.njit(cache=True)
+def _c(x):
+    """C-contiguous float64 view or copy: the kernels are compiled (and cached) for C layouts only,
+    and run several times faster on them than on strided views."""
+    return np.ascontiguousarray(x)
+
+
 @entry_point
 def _filter_entry(tv: tuple, jitter: float, mv: float, use_mv: bool):
     @numba.njit
     def kalman_filter_fn(y, a0, P0, c, d, T, Z, R, H, Q):
         if _check_shapes_jit(y, a0, P0, c, d, T, Z, R, H, Q, tv):
             raise ValueError("kalman_filter: inconsistent input shapes at run time")
-        ll, llo, af, Pf, ap, Pp, v, F = kalman_filter_kernel(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv)
+        ll, llo, af, Pf, ap, Pp, v, F = kalman_filter_kernel(
+            _c(y), _c(a0), _c(P0), _c(c), _c(d), _c(T), _c(Z), _c(R), _c(H), _c(Q), jitter, mv, use_mv
+        )
         out = np.empty((), dtype=np.float64)
         out[()] = ll
         return out, llo, af, Pf, ap, Pp, v, F
@@ -812,14 +821,16 @@ def _adjoint_entry(tv: tuple, jitter: float, mv: float, use_mv: bool, connected:
         0: "np.zeros(())", 1: f"np.zeros(0)", 2: "np.zeros((0, 0))", 3: "np.zeros((0, 0, 0))",
         4: "np.zeros((0, 0))", 5: "np.zeros((0, 0, 0))", 6: "np.zeros((0, 0))", 7: "np.zeros((0, 0, 0))",
     }
-    args = [f"g{pos[i]}" if has[i] else dummies[i] for i in range(8)]
+    # (np.ascontiguousarray would turn the 0-d loglik cotangent into 1-d: leave it as is)
+    args = [(f"_c(g{pos[i]})" if i else f"g{pos[i]}") if has[i] else dummies[i] for i in range(8)]
     src.append(
-        "    return _kernel(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv, ap, Pp, "
+        "    return _kernel(_c(y), _c(a0), _c(P0), _c(c), _c(d), _c(T), _c(Z), _c(R), _c(H), _c(Q), "
+        "jitter, mv, use_mv, _c(ap), _c(Pp), "
         + ", ".join(args) + ", " + ", ".join(str(bool(h)) for h in has) + ")"
     )
     del n, m, p
     ns = {
-        "np": np, "_check": _check_shapes_jit, "_kernel": kalman_adjoint_kernel,
+        "np": np, "_check": _check_shapes_jit, "_kernel": kalman_adjoint_kernel, "_c": _c,
         "tv": tv, "jitter": jitter, "mv": mv, "use_mv": use_mv,
     }
     exec("\n".join(src), ns)
@@ -978,11 +989,12 @@ def _prepare_inputs(func, y, a0, P0, c, d, T, Z, R, H, Q, time_varying):
         "H": "H must be square (p, p) with p = y columns",
         "Q": "Q must be square (r, r)",
     }
+    for name in ("T", "H", "Q"):
+        cs = mats[name].type.shape[-2:]
+        require(not eq(cs[0], cs[1]), what[name] + suffix)
     for name, is_tv in zip(SYSTEM_NAMES, tv):
         x = mats[name]
         cs = x.type.shape[x.type.ndim - _CORE_NDIM[name]:]
-        if name in ("H", "Q", "T"):
-            require(not eq(cs[0], cs[1]), what[name] + suffix)
         require(not all(eq(a_, b_) for a_, b_ in zip(cs, expected[name])), what[name] + suffix)
         if is_tv:
             tlen = x.type.shape[x.type.ndim - _CORE_NDIM[name] - 1]

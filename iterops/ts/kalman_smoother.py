@@ -39,6 +39,7 @@ from pytensor.tensor.variable import TensorVariable
 from iterops._fused import FusedOp, entry_point, register_fused_op
 from iterops.ts.kalman import (
     _IN_SIG,
+    _c,
     _check_shapes_jit,
     _cov_update,
     _mean_update,
@@ -183,7 +184,9 @@ def _smoother_entry(tv: tuple, jitter: float, mv: float, use_mv: bool):
     def kalman_smoother_fn(y, a0, P0, c, d, T, Z, R, H, Q):
         if _check_shapes_jit(y, a0, P0, c, d, T, Z, R, H, Q, tv):
             raise ValueError("kalman_smoother: inconsistent input shapes at run time")
-        return kalman_smoother_kernel(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv)
+        return kalman_smoother_kernel(
+            _c(y), _c(a0), _c(P0), _c(c), _c(d), _c(T), _c(Z), _c(R), _c(H), _c(Q), jitter, mv, use_mv
+        )
 
     return kalman_smoother_fn
 

@@ -43,7 +43,7 @@ from pytensor.tensor.variable import TensorVariable
 from iterops._fused import FusedOp, apply_batched, entry_point, register_fused_op
 from iterops._validate import as_tensor, float_dtype
 from iterops.ts.ar import _derivative, _static_int
-from iterops.ts.toeplitz import diagonal_sums, solve_toeplitz, toeplitz_matrix
+from iterops.ts.toeplitz import outer_diagonal_sums, solve_toeplitz, toeplitz_matrix
 
 __all__ = [
     "LevinsonDurbinResult",
@@ -105,7 +105,8 @@ def levinson_durbin_kernel(acov, order):
         v = v * (1.0 - kap * kap)
         if not v > 0.0:  # Gamma_{k+2} not positive definite
             return nan
-        prev[: k + 1] = phi[: k + 1]
+        for j in range(k + 1):  # (explicit loop: numba slice copies are slow)
+            prev[j] = phi[j]
     return phi, v, pacf
 
 
@@ -144,6 +145,7 @@ class LevinsonDurbin(FusedOp):
     """Core Op ``(m)->(p),(),(p)``: (ar, sigma2, pacf); use :func:`levinson_durbin`."""
 
     __props__ = ("order",)
+    kernel_version = 2
     gufunc_signature = "(m)->(p),(),(p)"
 
     def __init__(self, order: int):
@@ -153,7 +155,8 @@ class LevinsonDurbin(FusedOp):
         acov = pt.as_tensor_variable(acov)
         dt = float_dtype(acov)
         p = self.order
-        return Apply(self, [acov], [pt.tensor(dtype=dt, shape=(p,)), pt.tensor(dtype=dt, shape=()), pt.tensor(dtype=dt, shape=(p,))])
+        outputs = [pt.tensor(dtype=dt, shape=(p,)), pt.tensor(dtype=dt, shape=()), pt.tensor(dtype=dt, shape=(p,))]
+        return Apply(self, [acov], outputs)
 
     def infer_shape(self, node, input_shapes):
         return [(self.order,), (), (self.order,)]
@@ -184,7 +187,7 @@ class LevinsonDurbin(FusedOp):
         # IFT on Gamma_p phi = gamma_{1:p} (Gamma_p symmetric): lam = Gamma_p^{-1} phi_total,
         # gamma_{1:p} gets lam, gamma_{0:p-1} the symmetric diagonal sums of -lam phi^T
         lam = solve_toeplitz(acov[:p], phi_total)
-        S = diagonal_sums(-pt.outer(lam, phi))  # (2p - 1,), S[p - 1 + d]: diagonal i - j = d
+        S = -outer_diagonal_sums(lam[:, None], phi[:, None])  # (2p - 1,): diagonal i - j = d at p - 1 + d
         sym = S[p - 1 :] + pt.concatenate([pt.zeros((1,), dtype=S.dtype), S[: p - 1][::-1]])
         acov_bar = pt.inc_subtensor(acov_bar[:p], sym)
         acov_bar = pt.inc_subtensor(acov_bar[1 : p + 1], lam)
@@ -220,6 +223,7 @@ class AutoCov(FusedOp):
     """Core Op ``(n)->(l)``, ``l = nlags + 1``: lagged products of an (already demeaned) series."""
 
     __props__ = ("nlags", "adjusted")
+    kernel_version = 2
     gufunc_signature = "(n)->(l)"
 
     def __init__(self, nlags: int, adjusted: bool = False):
@@ -299,9 +303,9 @@ def levinson_durbin(acov, order: int) -> LevinsonDurbinResult:
     Examples
     --------
     >>> import iterops
-    >>> r = iterops.ts.levinson_durbin([1.3333333333, 0.6666666667, 0.3333333333], 2)
-    >>> r.ar.eval().round(6), r.sigma2.eval().round(6), r.pacf.eval().round(6)
-    (array([0.5, 0. ]), array(1.), array([0.5, 0. ]))
+    >>> r = iterops.ts.levinson_durbin([4.0, 2.0, 0.5], 2)
+    >>> r.ar.eval(), float(r.sigma2.eval()), r.pacf.eval()
+    (array([ 0.58333333, -0.16666667]), 2.9166666666666665, array([ 0.5       , -0.16666667]))
     """
     acov, order = _check_acov("levinson_durbin", acov, order)
     ar, sigma2, pacf = apply_batched(LevinsonDurbin(order), acov)

@@ -32,7 +32,7 @@ the adjoint is a Toeplitz solve with the transposed matrix -- first column
 ``[c[0], r[1:]]`` and first row ``c`` -- computed by this Op itself,
 :math:`\lambda = T^{-T} \bar x`, :math:`\bar b = \lambda`, and the ``c``/``r``
 cotangents are the sums along the diagonals of :math:`\bar T = -\lambda x^T`
-(:func:`diagonal_sums`; ``r[0]`` gets none).  Forward mode:
+(:func:`outer_diagonal_sums`, a 1-d cross-correlation; ``r[0]`` gets none).  Forward mode:
 :math:`\dot x = T^{-1}(\dot b - \dot T x)`.  Both are written with this Op and
 plain PyTensor reshapes, so batched and higher derivatives compose.
 """
@@ -44,12 +44,13 @@ import numpy as np
 import pytensor.tensor as pt
 from pytensor.gradient import DisconnectedType, disconnected_type
 from pytensor.graph.basic import Apply
+from pytensor.tensor.signal import convolve1d
 from pytensor.tensor.variable import TensorVariable
 
 from iterops._fused import FusedOp, apply_batched, entry_point, register_fused_op
 from iterops._validate import as_tensor, check_dim_match, float_dtype
 
-__all__ = ["solve_toeplitz", "SolveToeplitz", "levinson_kernel", "toeplitz_matrix", "diagonal_sums"]
+__all__ = ["solve_toeplitz", "SolveToeplitz", "levinson_kernel", "toeplitz_matrix", "outer_diagonal_sums"]
 
 
 # ---------------------------------------------------------------------------
@@ -96,7 +97,7 @@ def levinson_kernel(c, r, b):
         for i in range(m, 0, -1):
             g[i] = (g[i - 1] - eps_g * (f[i] if i < m else 0.0)) / den
         g[0] = -eps_g * f[0] / den
-        f[: m + 1] = f_new[: m + 1]
+        f, f_new = f_new, f  # swap buffers
         # x <- [x; 0] + (b_m - T_{m,:m} x) g
         for j in range(k):
             eps_x = 0.0
@@ -135,6 +136,7 @@ class SolveToeplitz(FusedOp):
     """Core Op ``(n),(n),(n,k)->(n,k)``: ``toeplitz(c, r) @ x = b``; use :func:`solve_toeplitz`."""
 
     __props__ = ()
+    kernel_version = 2
     gufunc_signature = "(n),(n),(n,k)->(n,k)"
 
     def make_node(self, c, r, b):
@@ -156,7 +158,7 @@ class SolveToeplitz(FusedOp):
             return [disconnected_type()] * 3
         # lam = T^{-T} x_bar: T^T has first column [c0, r1:] and first row c
         lam = apply_batched(self, pt.concatenate([c[:1], r[1:]]), c, x_bar)
-        S = diagonal_sums(-lam @ x.T)  # T_bar = -lam x^T
+        S = -outer_diagonal_sums(lam, x)  # diagonal sums of T_bar = -lam x^T
         n = c.shape[0]
         c_bar = S[n - 1 :]  # diagonals i - j = k >= 0
         r_bar = pt.concatenate([pt.zeros((1,), dtype=S.dtype), S[: n - 1][::-1]])  # i - j = -k; r[0] unused
@@ -178,20 +180,14 @@ class SolveToeplitz(FusedOp):
         return [apply_batched(self, c, r, sum(rhs[1:], rhs[0]))]  # x_dot = T^{-1} (b_dot - T_dot x)
 
 
-def diagonal_sums(M) -> TensorVariable:
-    """Sums along the diagonals of ``M`` (..., n, n): ``S[..., n - 1 + d] = sum_{i - j = d} M[..., i, j]``.
+def outer_diagonal_sums(u, v) -> TensorVariable:
+    """Sums along the diagonals of ``u @ v.T`` for ``u``, ``v`` of shape (n, k), without forming it.
 
-    The adjoint of building a Toeplitz matrix from its diagonals, O(n^2) with
-    reshapes only: flip the columns, pad each row with ``n`` zeros, and read
-    the flattened array with row length ``2n - 1`` -- the anti-diagonals become
-    columns.
+    ``S[n - 1 + d] = sum_{i - j = d} sum_l u[i, l] v[j, l]`` (the adjoint of
+    building a Toeplitz matrix from its diagonals): a full 1-d
+    cross-correlation per column, ``convolve1d(u[:, l], v[::-1, l])``, O(n^2 k).
     """
-    M = pt.as_tensor_variable(M)
-    n = M.shape[-1]
-    batch = tuple(M.shape[i] for i in range(M.type.ndim - 2))
-    padded = pt.concatenate([M[..., ::-1], pt.zeros_like(M)], axis=-1)  # (..., n, 2n)
-    flat = padded.reshape((*batch, 2 * n * n))[..., : n * (2 * n - 1)]
-    return flat.reshape((*batch, n, 2 * n - 1)).sum(axis=-2)
+    return convolve1d(u.T, v.T[:, ::-1], mode="full").sum(axis=0)
 
 
 def toeplitz_matrix(c, r=None) -> TensorVariable:

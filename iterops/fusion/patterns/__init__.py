@@ -6,4 +6,4 @@ way a user would plus a builder of the fused replacement (see
 are skipped.
 """
 
-from iterops.fusion.patterns import block_diag, kalman, lyapunov  # noqa: F401
+from iterops.fusion.patterns import block_diag, kalman, levinson, lyapunov  # noqa: F401

@@ -182,3 +182,73 @@ register_pattern(Pattern(
     build=_build_pymc_extras,
     doc="pymc-extras StandardFilter.kalman_step (static system matrices, missing-value masking)",
 ))
+
+
+# ---------------------------------------------------------------------------
+# Textbook covariance form
+# ---------------------------------------------------------------------------
+
+
+def _textbook_step(gain, update, intercepts):
+    def step(y, a, P, c, d, T, Z, R, H, Q, log2pi_p):
+        v = y - Z @ a - d if intercepts else y - Z @ a
+        F = Z @ P @ Z.T + H
+        if gain == "inv":
+            F_inv = pt.linalg.inv(F)
+            K = P @ Z.T @ F_inv
+            quad = v @ F_inv @ v
+        else:
+            K = pt.linalg.solve(F, Z @ P).T
+            quad = v @ pt.linalg.solve(F, v)
+        a_f = a + K @ v
+        P_f = P - K @ Z @ P if update == "minus" else (pt.eye(a.shape[0]) - K @ Z) @ P
+        ll = -0.5 * (log2pi_p + pt.log(pt.linalg.det(F)) + quad)
+        a_next = T @ a_f + c if intercepts else T @ a_f
+        return a_next, T @ P_f @ T.T + R @ Q @ R.T, ll
+
+    return step
+
+
+def _check_textbook(m):
+    if not m.uses.get("ll"):
+        return None
+    c = _static_float(m, "log2pi_p")
+    p = m.outer["y"].type.shape[-1]
+    if p is None:
+        return "the observation dimension p (y's last axis) is not static, so p log(2 pi) cannot be checked"
+    if c is None or not np.isclose(c, p * _LOG_2PI, rtol=1e-6 if m.dtype == "float32" else 1e-12, atol=0):
+        return f"the log-likelihood constant {c} is not p log(2 pi) = {p * _LOG_2PI} for p = {p}"
+    return None
+
+
+def _build_textbook(m):
+    o = m.outer
+    y = _n_steps_rows(m, o["y"])
+    m_dim, p_dim = o["a"].shape[-1], y.shape[-1]
+    c = o.get("c", pt.zeros((m_dim,), dtype=m.dtype))
+    d = o.get("d", pt.zeros((p_dim,), dtype=m.dtype))
+    res = kalman_filter(y, o["a"], o["P"], c, d, o["T"], o["Z"], o["R"], o["H"], o["Q"])
+    # the loop has no missing-data handling: a NaN observation poisons it from that step on
+    bad = pt.gt(pt.cumsum(pt.any(pt.isnan(y), axis=-1)), 0)
+    nan = np.array(np.nan, dtype=res.loglik_obs.dtype)
+    return {
+        "a": pt.switch(bad[:, None], nan, res.predicted_state[1:]),
+        "P": pt.switch(pt.any(bad), nan, res.predicted_cov[1:]),
+        "ll": pt.switch(bad, nan, res.loglik_obs),
+    }
+
+
+register_pattern(Pattern(
+    name="kalman_textbook",
+    replaces_with="iterops.ts.kalman_filter",
+    step=tuple(_textbook_step(g, u, i) for i in (False, True) for g in ("inv", "solve") for u in ("minus", "factor")),
+    sequences=(Role("y", 1),),
+    states=(Role("a", 1), Role("P", 2)),
+    non_sequences=(Role("c", 1), Role("d", 1), Role("T", 2), Role("Z", 2), Role("R", 2), Role("H", 2),
+                   Role("Q", 2), Role("log2pi_p", 0, constant_ok=True)),
+    outputs=(Role("ll", 0),),
+    provides={"a": "trace", "P": "trace"},
+    check=_check_textbook,
+    build=_build_textbook,
+    doc="textbook covariance-form Kalman filter (predict/update with inv or solve, loglik via det)",
+))
