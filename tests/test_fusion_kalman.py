@@ -121,6 +121,23 @@ def test_pymc_extras_loglik_only_every_linker(pe_data, mode):
     np.testing.assert_allclose(f(*vals), ref(*vals), rtol=1e-10)
 
 
+def test_pymc_extras_raw_covariance_gradients_agree_along_symmetric_directions(pe_data):
+    """d/dH, d/dP0 of the raw entries: equal g + g^T (documented: the Scan splits off-diagonals unevenly)."""
+    s = _symbols()
+    P0, H = pt.tensor("P0", shape=(M, M)), pt.tensor("H", shape=(P, P))
+    from pymc_extras.statespace.filters import StandardFilter
+
+    ll = StandardFilter().build_graph(s["y"], s["a0"], P0, s["c"], s["d"], s["T"], s["Z"], s["R"], H,
+                                      s["LQ"] @ s["LQ"].T)[-1].sum()
+    ins = [s["y"], s["a0"], P0, s["c"], s["d"], s["T"], s["Z"], s["R"], H, s["LQ"]]
+    vals = [pe_data[k] for k in ("y", "a0")] + [pe_data["L0"] @ pe_data["L0"].T] + [
+        pe_data[k] for k in ("c", "d", "T", "Z", "R")] + [pe_data["LH"] @ pe_data["LH"].T, pe_data["LQ"]]
+    f = pytensor.function(ins, pytensor.grad(iterops.fuse_loops(ll), [P0, H]))
+    ref = pytensor.function(ins, pytensor.grad(ll, [P0, H]), mode=_SCAN_MODE)
+    for g, w in zip(f(*vals), ref(*vals)):
+        np.testing.assert_allclose(g + g.T, w + w.T, rtol=1e-8, atol=1e-10)
+
+
 def _subclass_filter(predict=None, update=None):
     from pymc_extras.statespace.filters import StandardFilter
 

@@ -58,6 +58,14 @@ finite).
 Both: the loop runs over the rows of ``y`` (``y[:n_steps]``), and only
 ``pytensor.scan``'s usual views of each output are used (the whole trace, its
 last element).
+
+Gradients with respect to the covariance inputs ``P0`` and ``H``: the fused
+filter's adjoint is symmetric, the loop's is not (its Cholesky reads one
+triangle of the unsymmetrized ``F``), so for the raw entries of these matrices
+the two split each off-diagonal derivative differently between ``(i, j)`` and
+``(j, i)``; the sums ``g_ij + g_ji``, hence the gradient along every symmetric
+direction and with respect to any parameters the matrices are built from
+(``sigma``, a Cholesky factor, ...), agree to rounding.
 """
 
 from __future__ import annotations
