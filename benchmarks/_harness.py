@@ -34,19 +34,18 @@ def best_time(fn, *args, min_time: float = 0.2, repeat: int = 5) -> float:
     return min(times)
 
 
-def compile_time(build) -> tuple[float, object]:
-    """Seconds to run ``build()`` (graph construction + pytensor.function + first call)."""
-    t0 = time.perf_counter()
-    out = build()
-    return time.perf_counter() - t0, out
-
-
-def fresh_compile_cache():
-    """Make PyTensor/Numba compile again (clear in-memory caches of the linker).
+def compile_time(build, repeat: int = 1) -> tuple[float, object]:
+    """Best-of-``repeat`` seconds to run ``build()`` (graph construction + ``pytensor.function``).
 
     On-disk caches persist between runs, which is how users experience
-    re-compiles; we report that number.
+    re-compiles; that is the number reported.
     """
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = build()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
 
 
 @dataclass

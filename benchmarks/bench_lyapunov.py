@@ -78,7 +78,7 @@ def run(quick: bool = False):
                 tf[kind] = tg[kind] = tc[kind] = float("nan")  # n^2 x n^2 dense solve: too large
                 continue
             tf[kind] = best_time(_compile(kind, False), a, q)
-            tc[kind], fg = compile_time(lambda: _compile(kind, True))
+            tc[kind], fg = compile_time(lambda: _compile(kind, True), repeat=3)
             tg[kind] = best_time(fg, a, q)
         t_scipy = best_time(sla.solve_discrete_lyapunov, a, q)
         t_qe = best_time(quantecon.solve_discrete_lyapunov, a, q)

@@ -7,7 +7,7 @@ gradient-Scan mit-mot -> sit-sot rewrite (:mod:`iterops.scan_grad`).
 """
 
 from iterops import _jax, linalg, scan_grad, ts  # noqa: F401  (scan_grad registers its rewrite)
-from iterops.fusion import explain, fuse_loops  # registers the Scan -> fused Op rewrites
+from iterops.fusion import disabled, explain, fuse_loops  # registers the Scan -> fused Op rewrites
 from iterops.linalg import block_diag, solve_discrete_lyapunov
 from iterops.loop import loop, taps
 from iterops.ts import (
@@ -32,6 +32,7 @@ __all__ = [
     "ar_to_acov",
     "ar_to_pacf",
     "block_diag",
+    "disabled",
     "explain",
     "fuse_loops",
     "kalman_filter",

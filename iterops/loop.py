@@ -77,10 +77,10 @@ Inferred from ``xs`` (all leaves must agree on their usable length); when both
 are given they must agree (checked statically where the lengths are known,
 otherwise at run time).  ``n_steps = 0`` is valid: ``final`` equals ``init``
 and every ``y`` leaf is an empty array.  Its trailing shape is the static
-shape of ``y`` where that is fully known, under the Numba (default) and C
-backends; PyTensor's pure-Python Scan (``FAST_COMPILE``) returns
-``(0, 0, ...)`` instead (a known limitation of ``Scan.perform``), as do all
-backends when the static shape is not known.
+shape of ``y`` where that is fully known, under the Numba (default)
+backend; PyTensor's Python and C Scan implementations (``FAST_COMPILE``,
+``CVM``) return ``(0, 0, ...)`` instead (a known limitation of
+``Scan.perform``), as do all backends when the static shape is not known.
 
 Examples
 --------

@@ -3,7 +3,8 @@
 ``import iterops`` registers the rewrite (tag ``"iterops"``) so that
 ``pytensor.function`` (NUMBA, FAST_RUN/C, FAST_COMPILE) and PyMC's
 pre-gradient pass replace matched Scans; ``mode.excluding("iterops")`` keeps
-them.  For plain PyTensor, :func:`fuse_loops` applies the replacement before
+them, and so does :func:`disabled` (``with iterops.fusion.disabled(): ...``)
+where the mode cannot be chosen (PyMC's ``rewrite_pregrad``, nutpie).  For plain PyTensor, :func:`fuse_loops` applies the replacement before
 ``pytensor.grad``; :func:`explain` says what was (or was not) replaced.
 
 Patterns (see :mod:`iterops.fusion.patterns`): Smith doubling and the
@@ -26,9 +27,10 @@ from pytensor.scan.utils import ScanArgs
 from iterops.fusion import patterns  # noqa: F401  (registers the patterns)
 from iterops.fusion.matcher import _inner_inputs, _inner_outputs, match_scan
 from iterops.fusion.registry import PATTERNS, Pattern, Role, register_pattern
-from iterops.fusion.rewrite import fuse_scan, register, replacements_for
+from iterops.fusion.rewrite import disabled, fuse_scan, is_enabled, register, replacements_for, set_enabled
 
-__all__ = ["fuse_loops", "explain", "Explanation", "PATTERNS", "Pattern", "Role", "register_pattern"]
+__all__ = ["fuse_loops", "explain", "Explanation", "PATTERNS", "Pattern", "Role", "register_pattern",
+           "disabled", "set_enabled", "is_enabled"]
 
 register()
 

@@ -24,6 +24,10 @@ Nothing here knows a specific algorithm.  For a ``Scan`` node and a
    ``a > b`` equals ``b < a``, float casts and ``specify_shape`` are
    transparent, and a role marked ``constant_ok`` (a tolerance, a jitter) may
    be a constant in the user's step, also where the reference broadcasts it.
+   A step holding non-scalar constants (``pytensor.scan`` moves constant
+   non-sequences such as ``np.eye(1)`` into the step) that matches no
+   pattern is matched again with those constants lifted to non-sequence
+   inputs, so constant system matrices bind to matrix roles.
    Static shape constants match ``x.shape[d]`` when ``x``'s static shape says
    so, and a reference expression of shapes and constant roles (``eye(m) *
    jitter``) matches a user constant when, specialized to the user's static
@@ -32,8 +36,13 @@ Nothing here knows a specific algorithm.  For a ``Scan`` node and a
    outside must each unify with one of the pattern's ``outputs``;
 3. the outer graph is checked: states the replacement cannot provide are
    unused, states provided only as a final value are used only through their
-   last element (``out[-1]``), traced states through ``pytensor.scan``'s
-   views (the trace, its last element, the buffer with the initial value),
+   last element, traced states through ``pytensor.scan``'s views (the trace,
+   its last element, the buffer with the initial value).  "The last element"
+   is any index provably selecting the last row (``-1``, ``out.shape[0] -
+   1``, ``n_steps - 1`` without ``until``, the index expressions
+   ``local_subtensor_merge`` makes of ``out[1:][-1]`` or ``out[-1:][0]``),
+   also with trailing indices (``out[-1, 0, 0]``) or through a transpose of
+   the rows; the number of rows may only serve such an index (see ``_uses``);
    other extra outputs are unused, and the pattern's own ``check`` accepts
    ``n_steps`` and the initial values.
 
@@ -59,7 +68,7 @@ from pytensor.graph.fg import FunctionGraph, Output
 from pytensor.graph.rewriting.utils import rewrite_graph
 from pytensor.scan.op import Scan
 from pytensor.scan.utils import ScanArgs, until
-from pytensor.tensor.basic import AllocEmpty, get_underlying_scalar_constant_value
+from pytensor.tensor.basic import AllocEmpty, ScalarFromTensor, TensorFromScalar, get_underlying_scalar_constant_value
 from pytensor.tensor.elemwise import DimShuffle, Elemwise
 from pytensor.tensor.exceptions import NotScalarConstantError
 from pytensor.tensor.math import Dot
@@ -102,6 +111,8 @@ class Match:
     dtype: str
     uses: dict = field(default_factory=dict)  # state -> list of (outer var, kind)
     variant: int = 0
+    #: outer var -> (row-wise wrappers, trailing indices): how a use reads the value (see ``_uses``)
+    views: dict = field(default_factory=dict)
 
     def n_steps_value(self):
         """``n_steps`` as a Python int if constant, else None."""
@@ -114,6 +125,22 @@ def constant_value(v):
         return np.asarray(get_underlying_scalar_constant_value(v)).item()
     except (NotScalarConstantError, TypeError, ValueError):
         return None
+
+
+def provably_equal(a, b) -> bool:
+    """True when the scalar graphs ``a`` and ``b`` are equal for every input.
+
+    Proof by canonicalization: ``eq(a, b)`` folds to the constant 1 when the
+    two sides merge (same computation, or equal static shapes).
+    """
+    a, b = pt.as_tensor_variable(a), pt.as_tensor_variable(b)
+    ca, cb = constant_value(a), constant_value(b)
+    if ca is not None and cb is not None:
+        return ca == cb
+    fg = FunctionGraph(outputs=[pt.eq(a, b)], clone=True, copy_inputs=False)
+    rewrite_graph(fg, include=("ShapeOpt", "canonicalize"), exclude=("iterops",))
+    out = fg.outputs[0]
+    return isinstance(out, Constant) and bool(np.all(out.data))
 
 
 # ---------------------------------------------------------------------------
@@ -138,6 +165,8 @@ class _UserGraph:
     cond: Variable | None
     dtype: str | None
     unsupported: str | None
+    lifted: dict = field(default_factory=dict)  # inner input standing for a constant -> the constant
+    liftable: bool = False  # the inner graph holds non-scalar constants (see ``_canonical_user_graph``)
     # per node (outer graph):
     args: ScanArgs | None = None
     outer_state: dict = field(default_factory=dict)  # inner state -> (outer output, traced, outer init buffer)
@@ -148,15 +177,15 @@ class _UserGraph:
 _USER_CACHE: OrderedDict = OrderedDict()
 
 
-def _user_graph(node) -> _UserGraph:
+def _user_graph(node, lift=False) -> _UserGraph:
     """The canonicalized inner graph of ``node`` (cached per Scan op), bound to its outer variables."""
     op = node.op
-    hit = _USER_CACHE.get(id(op))
+    hit = _USER_CACHE.get((id(op), lift))
     if hit is not None and hit[0] is op:
         ug = hit[1]
     else:
-        ug = _canonical_user_graph(node)
-        _USER_CACHE[id(op)] = (op, ug)
+        ug = _canonical_user_graph(node, lift)
+        _USER_CACHE[(id(op), lift)] = (op, ug)
         while len(_USER_CACHE) > 64:
             _USER_CACHE.popitem(last=False)
     a = ScanArgs(node.inputs, node.outputs, ug.inner_inputs, ug.inner_outputs, op.info)
@@ -213,14 +242,35 @@ def _erase_static_shapes(inputs, outputs):
     return new, outs, {n: v.type.shape for n, v in zip(new, inputs)}
 
 
-def _canonical_user_graph(node) -> _UserGraph:
+def _canonical_user_graph(node, lift=False) -> _UserGraph:
+    """The user's inner graph, static shapes erased, canonicalized.
+
+    ``lift``: every non-scalar constant of the step (``pytensor.scan`` moves
+    constant non-sequences, e.g. ``np.eye(1)`` system matrices, into the inner
+    graph) is first replaced by a fresh input of kind ``"nonseq"`` (without
+    static shape), so canonicalization does not fold it into the computation
+    (a product with a constant ``[[1.]]`` becomes an elementwise product, ...)
+    and it can be bound to a non-sequence role of the reference; where the
+    reference has no role, the unifier compares the constant itself.
+    """
     op = node.op
     args = ScanArgs.from_node(node, clone=True)
     ins, outs, static = _erase_static_shapes(_inner_inputs(args), _inner_outputs(args))
+    n_ins = len(ins)
+    consts = list(dict.fromkeys(
+        x for n in io_toposort(ins, outs) for x in n.inputs
+        if isinstance(x, Constant) and getattr(x.type, "ndim", 0) >= 1))
+    lifted = {}
+    if lift and consts:
+        new = [c.type.clone(shape=(None,) * c.type.ndim)(name=f"constant{tuple(c.type.shape)}") for c in consts]
+        outs = _rebuild([*ins, *consts], outs, [*ins, *new])
+        lifted = dict(zip(new, consts))
+        static = {**static, **{v: c.type.shape for v, c in zip(new, consts)}}
+        ins = [*ins, *new]
     fg = FunctionGraph(ins, outs, clone=False)
     _canonicalize(fg)
-    a = ScanArgs(node.inputs, node.outputs, fg.inputs, fg.outputs, op.info)
-    kind = {}
+    a = ScanArgs(node.inputs, node.outputs, fg.inputs[:n_ins], fg.outputs, op.info)
+    kind = {v: "nonseq" for v in lifted}
     for v in a.inner_in_seqs:
         kind[v] = "seq"
     for v in (*a.inner_in_sit_sot, *a.inner_in_shared):
@@ -234,8 +284,9 @@ def _canonical_user_graph(node) -> _UserGraph:
     if a.mit_mot_in_slices or a.mit_sot_in_slices:
         unsupported = "the loop has multi-tap (mit-sot/mit-mot) states"
     return _UserGraph(
-        inner_inputs=list(fg.inputs), inner_outputs=list(fg.outputs), kind=kind, states=states, updates=updates,
-        outputs=list(a.inner_out_nit_sot), static=static, cond=a.cond[0] if a.cond else None, dtype=dtypes[0] if dtypes else None, unsupported=unsupported,
+        inner_inputs=list(fg.inputs[:n_ins]), inner_outputs=list(fg.outputs), kind=kind, states=states,
+        updates=updates, outputs=list(a.inner_out_nit_sot), static=static, cond=a.cond[0] if a.cond else None,
+        dtype=dtypes[0] if dtypes else None, unsupported=unsupported, lifted=lifted, liftable=bool(consts),
     )
 
 
@@ -524,6 +575,7 @@ class _Unifier:
         if ref_role is not None:
             yield from self._bind_role(ref_role, r, u, env, depth)
             return
+        u = self.user.lifted.get(u, u)  # a lifted constant where the reference computes something
         if _is_constant(r):
             if _is_constant(u) and _const_equal(r, u):
                 yield env
@@ -574,8 +626,12 @@ class _Unifier:
     def _bind_role(self, ref_role, r, u, env, depth):
         role, kind = ref_role
         bound = env.roles.get(role.name)
+        lifted = self.user.lifted
+        if u in lifted and not (kind == "nonseq" and role.ndim == u.type.ndim):
+            u = lifted[u]  # e.g. a constant tolerance array where the reference has a scalar role
         if bound is not None:
-            if bound is u or (_is_constant(bound) and _is_constant(u) and _const_equal(bound, u)):
+            cb, cu = lifted.get(bound, bound), lifted.get(u, u)
+            if bound is u or (_is_constant(cb) and _is_constant(cu) and _const_equal(cb, cu)):
                 yield env
             else:
                 self.fail(depth, r, u, f"{role.name} is used with two different values "
@@ -588,7 +644,7 @@ class _Unifier:
                 self.fail(depth, r, u, f"{role.name} must be a {kind} input, found {_describe(u)}")
             return
         ukind = self.user.kind.get(u)
-        if ukind != kind or u in env.users or u.type.ndim != role.ndim:
+        if ukind != kind or (u in env.users and u not in lifted) or u.type.ndim != role.ndim:
             self.fail(depth, r, u, f"{role.name} must be a {kind} input of ndim {role.ndim}, found {_describe(u)}")
             return
         yield env.bind(role.name, u)
@@ -745,37 +801,193 @@ def _is_const(v, value):
     return c is not None and c == value
 
 
-def _uses(fgraph, var, traced: bool):
-    """Uses of a state's outer output: list of (variable, kind).
+def _is_last_index(i, v, buffer, start) -> bool:
+    """The scalar index ``i`` into ``v`` (= ``buffer[start:]``, rows of a Scan output) provably selects its last row.
 
-    kind: ``"last"`` (the final state), ``"buffer"`` (the traced output with the
-    initial value first), ``"trace"`` (the states after each step: ``buffer[1:]``,
-    what ``pytensor.scan`` returns) or ``"other"``.
+    Accepted: the constant ``-1``, or any expression provably equal to
+    ``v.shape[0] - 1`` (equivalently ``buffer.shape[0] - 1 - start``): e.g.
+    ``n_steps - 1`` into the trace of a loop without ``until`` (whose length
+    is ``n_steps``), ``trace.shape[0] - 1``, or the index expression
+    ``local_subtensor_merge`` makes of ``trace[-1]``.  For a loop with a
+    convergence stop the length is only known at run time, so a fixed index
+    such as ``max_iter - 1`` is not accepted (it reads an intermediate state,
+    or fails, when the loop stops early).
+    """
+    c = constant_value(i)
+    if c is not None and c == -1:
+        return True
+    if i.owner is not None and isinstance(i.owner.op, ScalarFromTensor):
+        i = i.owner.inputs[0]  # Subtensor indices are scalars
+    if not str(getattr(i.type, "dtype", "")).startswith(("int", "uint")) or getattr(i.type, "ndim", 0) != 0:
+        return False
+    try:
+        i = pt.as_tensor_variable(i)
+        return (provably_equal(i, -1) or provably_equal(i, v.shape[0] - 1)
+                or (start is not None and provably_equal(i, buffer.shape[0] - (1 + start)))
+                or (start is not None and _last_by_length(i, buffer, start)))
+    except Exception:  # noqa: BLE001  (no proof)
+        return False
+
+
+#: integer scalar operations whose compositions are piecewise linear in the buffer length
+_PIECEWISE_LINEAR = (ps.Add, ps.Sub, ps.Neg, ps.Maximum, ps.Minimum, ps.Switch, ps.LT, ps.LE, ps.GT, ps.GE,
+                     ps.EQ, ps.NEQ, ps.AND, ps.OR, ps.Invert, ps.Cast, ps.Identity, ps.Abs)
+
+
+def _last_by_length(i, buffer, start) -> bool:
+    """``i`` is a function of ``buffer``'s length ``L`` alone equal to ``L - 1 - start`` for every ``L``.
+
+    The index expressions ``local_subtensor_merge`` builds for ``out[1:][-1]``
+    or ``out[-1:][0]`` (``switch``/``maximum`` clamps of ``L``) do not fold
+    by canonicalization.  After shape inference, ``i`` must depend on nothing
+    but ``L`` (``buffer.shape[0]``) and integer constants through integer
+    ``+ - max min abs switch`` and comparisons (multiplication by a constant
+    too): a piecewise-linear function of ``L`` with integer breakpoints
+    bounded by the constants' magnitudes.  It is then compared with
+    ``L - 1 - start`` (or ``-1``) at every ``L`` from ``start + 1`` up to
+    beyond all breakpoints, and at large lengths; at lengths where it is out
+    of bounds the user's graph raises an ``IndexError`` (a loop of 0 steps),
+    which the replacement does not reproduce.
+    """
+    B = buffer.type()  # the buffer as an input: its length is the only unknown
+    (i,) = _rebuild_with([pt.cast(i, "int64")], {buffer: B})
+    fg = FunctionGraph(outputs=[i], clone=True, copy_inputs=False)
+    rewrite_graph(fg, include=("ShapeOpt", "canonicalize"), exclude=("iterops",))
+    L = pt.scalar("L", dtype="int64")
+    length_of_buffer = []
+    for node in fg.toposort():
+        acc = _shape_access(node.outputs[0])
+        if acc is not None and acc[1] == 0 and acc[0] is B:
+            length_of_buffer.append(node.outputs[0])
+    if not length_of_buffer:
+        return False
+    (out,) = _rebuild_with(fg.outputs, {x: pt.cast(L, x.dtype) for x in length_of_buffer})
+    bound = 1
+    for node in io_toposort([L], [out]):
+        if isinstance(node.op, ScalarFromTensor | TensorFromScalar):
+            continue
+        if str(node.outputs[0].type.dtype).startswith(("float", "complex")):
+            return False
+        sop = node.op.scalar_op if isinstance(node.op, Elemwise) else node.op
+        if not isinstance(sop, ps.ScalarOp):
+            return False
+        if isinstance(sop, ps.Mul):
+            if sum(not _is_constant(x) for x in node.inputs) > 1:
+                return False
+        elif not isinstance(sop, _PIECEWISE_LINEAR):
+            return False
+        for x in node.inputs:
+            if _is_constant(x):
+                bound += int(np.abs(np.asarray(x.data, dtype=np.float64)).max(initial=0))
+            elif x.owner is None and x is not L:
+                return False  # depends on something else than the length
+    from pytensor import function  # noqa: PLC0415
+
+    f = function([L], out, mode="FAST_COMPILE", on_unused_input="ignore")
+    lengths = [*range(start + 1, start + 2 + 4 * bound), 10**4 + 7, 2**31 + 3, 2**40 + 1]
+    # the last row (as n - 1 - start or -1), or out of bounds: an IndexError in the user's graph (e.g. a
+    # loop of 0 steps), never an intermediate row
+    return all((k := int(f(n))) in (n - 1 - start, -1) or not -(n - start) <= k < n - start for n in lengths)
+
+
+def _rebuild_with(outputs, replace):
+    """``outputs`` with the variables in ``replace`` substituted (the graph above them dropped)."""
+    from pytensor.graph.replace import graph_replace  # noqa: PLC0415
+
+    return graph_replace(outputs, replace, strict=False)
+
+
+def _rowwise(op) -> bool:
+    """``op`` (one input) acts on each row of its input alone and keeps axis 0 first: a transpose of the rows."""
+    return isinstance(op, DimShuffle) and op.input_ndim >= 1 and tuple(op.new_order[:1]) == (0,) \
+        and 0 not in op.drop
+
+
+def _uses(fgraph, var, traced: bool):
+    """Uses of a state's outer output: list of ``(variable, kind, (wrappers, rest))``.
+
+    kind: ``"last"`` (the final state), ``"last_row"`` (the final state as a
+    1-row array, ``out[-1:]``), ``"buffer"`` (the traced output with the
+    initial value first), ``"trace"`` (the states after each step:
+    ``buffer[1:]``, what ``pytensor.scan`` returns) or ``"other"``.
+
+    The use may read the rows through row-wise ``wrappers`` (a ``DimShuffle``
+    keeping axis 0 first, e.g. ``trace.mT``) and select from the rows it
+    takes with trailing indices ``rest`` (``trace[-1, 0, :2]``, as
+    ``local_subtensor_merge`` writes ``trace[-1][0, :2]``); the replacement
+    applies the same wrappers and indices.  A row index counts as the last
+    one only when :func:`_is_last_index` proves it.
     """
     if not traced:
-        return [(var, "last")] if fgraph.clients.get(var) else []
+        return [(var, "last", ((), ()))] if fgraph.clients.get(var) else []
     out = []
 
-    def walk(v, suffix_start):
+    def whole(start):
+        return "buffer" if start == 0 else "trace" if start == 1 else "other"
+
+    def walk(v, start, wrappers):
+        # v: the rows buffer[start:] (start None: some suffix of the rows), read through ``wrappers``
         for client, i in fgraph.clients.get(v, []):
             op = client.op
+            res = client.outputs[0] if client.outputs else None  # None: a graph output
             if isinstance(op, Subtensor) and i == 0:
                 idx = indices_from_subtensor(client.inputs[1:], op.idx_list)
-                first = idx[0]
-                if len(idx) == 1 and not isinstance(first, slice) and _is_const(first, -1):
-                    out.append((client.outputs[0], "last"))
-                    continue
-                if len(idx) == 1 and isinstance(first, slice) and first.stop is None and (
-                        first.step is None or _is_const(first.step, 1)):
-                    start = 0 if first.start is None else constant_value(first.start)
-                    if start is not None:
-                        walk(client.outputs[0], (suffix_start or 0) + start)
+                first, rest = idx[0], tuple(idx[1:])
+                if not isinstance(first, slice):
+                    if _is_last_index(first, v, var, start):
+                        out.append((res, "last", (wrappers, rest)))
                         continue
-            out.append((v, "buffer" if suffix_start is None else "trace" if suffix_start == 1 else "other"))
+                elif first.stop is None and (first.step is None or _is_const(first.step, 1)):
+                    s = 0 if first.start is None else constant_value(first.start)
+                    new_start = None if start is None or s is None or s < 0 else start + s
+                    if s is not None and s >= 0 and (not rest or whole(new_start) != "other"):
+                        if rest:
+                            out.append((res, whole(new_start), (wrappers, rest)))
+                        else:
+                            walk(res, new_start, wrappers)
+                        continue
+                    if first.start is not None and _is_last_index(first.start, v, var, start):
+                        out.append((res, "last_row", (wrappers, rest)))  # v[-1:]
+                        continue
+                    if s is not None and s < 0 and not rest:
+                        walk(res, None, wrappers)  # v[-k:]: still a suffix of the rows
+                        continue
+                # any other selection reads v as a whole (replaced exactly if v is the buffer or the trace)
+            if _rowwise(op) and i == 0:
+                walk(res, start, (*wrappers, op))
+                continue
+            if isinstance(op, Shape | Shape_i):
+                shapes.append((res, v, start, wrappers))
+                continue
+            out.append((v, whole(start), (wrappers, ())))
             return
 
-    walk(var, None)
+    shapes: list = []
+    walk(var, 0, ())
+    # the rows' count may only serve to index the last row (``out[out.shape[0] - 1]``, merged slices): the
+    # replacement does not know how many steps a loop with a stop ran
+    last_nodes = {res.owner for res, kind, _ in out if kind in ("last", "last_row")}
+    memo: dict = {}
+    # other uses of the count read the rows as a whole (exact for a replaced trace or buffer)
+    out += [(v, whole(start), (wrappers, ())) for s, v, start, wrappers in shapes
+            if not _only_indexes(fgraph, s, last_nodes, memo)]
     return out
+
+
+def _only_indexes(fgraph, v, nodes, memo) -> bool:
+    """Every use of ``v`` ends, through any computation, in an index input of one of ``nodes``."""
+    if v in memo:
+        return memo[v]
+    memo[v] = False
+    ok = True
+    for client, i in fgraph.clients.get(v, []):
+        if client in nodes and i >= 1:
+            continue
+        if isinstance(client.op, Output) or not all(_only_indexes(fgraph, o, nodes, memo) for o in client.outputs):
+            ok = False
+            break
+    memo[v] = ok
+    return ok
 
 
 def _has_clients(fgraph, v):
@@ -783,15 +995,26 @@ def _has_clients(fgraph, v):
 
 
 def match_scan(fgraph, node, patterns) -> tuple[Match | None, list[tuple[str, Reject]]]:
-    """Match ``node`` against ``patterns``; returns (match or None, rejections)."""
+    """Match ``node`` against ``patterns``; returns (match or None, rejections).
+
+    A step holding non-scalar constants is tried a second time with them
+    lifted to inputs (see :func:`_canonical_user_graph`).
+    """
+    patterns = list(patterns)
     user = _user_graph(node)
-    rejections = []
-    for pattern in patterns:
-        try:
-            return _match_pattern(fgraph, node, user, pattern), rejections
-        except Reject as err:
-            rejections.append((pattern.name, err))
-    rejections.sort(key=lambda pr: -pr[1].score)
+    best: dict = {}
+    for lift in (False, True):
+        if lift:
+            if not user.liftable:
+                break
+            user = _user_graph(node, lift=True)
+        for pattern in patterns:
+            try:
+                return _match_pattern(fgraph, node, user, pattern), []
+            except Reject as err:
+                if pattern.name not in best or err.score > best[pattern.name].score:
+                    best[pattern.name] = err
+    rejections = sorted(best.items(), key=lambda pr: -pr[1].score)
     return None, rejections
 
 
@@ -829,6 +1052,7 @@ def _check_outer(fgraph, node, user, pattern, env, variant, ref) -> Match:
         inner_to_outer[v] = o
     for v, (_, _, init) in user.outer_state.items():
         inner_to_outer[v] = initial_value(init)
+    inner_to_outer.update(user.lifted)
     out_roles = {r.name for r in pattern.outputs}
     outer = {}
     for role, u in env.roles.items():
@@ -863,10 +1087,12 @@ def _check_outer(fgraph, node, user, pattern, env, variant, ref) -> Match:
                 raise Reject(f"the step uses the constant {_describe(u)} where the reference computes it from "
                              "shapes and constants, and the static shapes do not prove them equal", 50.0)
     score = 100.0
-    uses = {}
+    uses, views = {}, {}
     bound_states = {env.roles[r.name]: r.name for r in pattern.states}
     for v, (o, traced, _) in user.outer_state.items():
         use = _uses(fgraph, o, traced)
+        views.update((var, how) for var, _, how in use)
+        use = [(var, kind) for var, kind, _ in use]
         name = bound_states.get(v)
         if name is None:
             if use:
@@ -877,9 +1103,11 @@ def _check_outer(fgraph, node, user, pattern, env, variant, ref) -> Match:
         if use and provides is None:
             raise Reject(f"the state {name} is used outside the loop (the replacement only computes the others)", score)
         if "other" in kinds:
-            raise Reject(f"{name} is used through a slice the replacement does not provide", score)
-        if provides == "last" and kinds - {"last"}:
-            raise Reject(f"intermediate values of {name} are used (only its final value can be replaced)", score)
+            raise Reject(f"{name} is used through an index, slice or shape that is not provably its final "
+                         "value (intermediate states, or the number of steps run)", score)
+        if provides == "last" and kinds - {"last", "last_row"}:
+            raise Reject(f"intermediate values of {name} (or the number of steps run) are used "
+                         "(only its final value can be replaced)", score)
         uses[name] = use
     bound_outputs = {user.outer_outputs[env.roles[name]]: name for name in out_roles if name in env.roles}
     for o in user.extra_outputs:
@@ -890,7 +1118,7 @@ def _check_outer(fgraph, node, user, pattern, env, variant, ref) -> Match:
     if not any(uses.values()):
         raise Reject("no output of the loop is used", score)
     m = Match(pattern=pattern, node=node, args=a, inner=dict(env.roles), outer=outer, n_steps=a.n_steps,
-              as_while=a.as_while, dtype=user.dtype, uses=uses, variant=variant)
+              as_while=a.as_while, dtype=user.dtype, uses=uses, variant=variant, views=views)
     if pattern.check is not None:
         reason = pattern.check(m)
         if reason:

@@ -14,11 +14,33 @@ Registered (tag ``"iterops"``; ``mode.excluding("iterops")`` disables all):
 Inner graphs of other Scans are rewritten by PyTensor with the compiling
 mode's full optimizer (``scan_inner_graph``, every linker), so a matched loop
 nested inside another Scan is replaced there too.
+
+Turning the rewrites off
+------------------------
+``mode.excluding("iterops")`` works wherever you choose the mode.  PyMC's
+pre-gradient pass (``rewrite_pregrad``) and samplers that hard-code their
+mode (nutpie compiles with its own NUMBA mode) ignore it; for those, use the
+process-wide switch::
+
+    with iterops.fusion.disabled():        # the Scans stay Scans
+        dlogp = model.compile_dlogp()
+        compiled = nutpie.compile_pymc_model(model)
+
+    iterops.fusion.set_enabled(False)      # the same, until set_enabled(True)
+
+While disabled, every iterops rewrite (``iterops_fuse_loops`` in ``optdb``
+and ``canonicalize``, and :func:`iterops.fuse_loops`) leaves graphs
+unchanged; ``iterops.explain`` still reports what *would* be replaced.  The
+switch is read when a graph is rewritten, i.e. while compiling: a function
+compiled inside the block keeps its Scans after the block ends, and one
+compiled before it keeps its fused Ops.  Explicit calls of the fused Ops
+(``iterops.solve_discrete_lyapunov``, ...) are not affected.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 
 import pytensor.tensor as pt
 from pytensor.compile import optdb
@@ -29,9 +51,44 @@ from pytensor.scan.op import Scan
 from iterops.fusion.matcher import initial_value, match_scan
 from iterops.fusion.registry import PATTERNS
 
-__all__ = ["fuse_scan", "replacements_for"]
+__all__ = ["fuse_scan", "replacements_for", "disabled", "set_enabled", "is_enabled"]
 
 _log = logging.getLogger("iterops.fusion")
+
+_ENABLED = True
+
+
+def is_enabled() -> bool:
+    """Whether the iterops Scan rewrites are active (see :func:`set_enabled`)."""
+    return _ENABLED
+
+
+def set_enabled(enabled: bool) -> bool:
+    """Turn every iterops Scan rewrite on or off process-wide; returns the previous setting.
+
+    Off, the rewrites registered with PyTensor (and :func:`iterops.fuse_loops`)
+    leave graphs unchanged, also where ``mode.excluding("iterops")`` cannot be
+    passed (PyMC's ``rewrite_pregrad``, nutpie).  Read while compiling.
+    """
+    global _ENABLED
+    previous, _ENABLED = _ENABLED, bool(enabled)
+    return previous
+
+
+@contextmanager
+def disabled():
+    """Context manager: the iterops Scan rewrites are off inside the block (restored after, also on error).
+
+    ::
+
+        with iterops.fusion.disabled():
+            f = model.compile_dlogp()   # keeps the user's Scans
+    """
+    previous = set_enabled(False)
+    try:
+        yield
+    finally:
+        set_enabled(previous)
 
 
 def _describe_scan(node) -> str:
@@ -51,21 +108,38 @@ def replacements_for(match) -> dict:
         for var, kind in uses:
             if var in repl:
                 continue
-            if kind == "last":
-                new = value[-1] if provides == "trace" else value
+            if kind in ("last", "last_row"):
+                rows = value[-1] if provides == "trace" else value  # the final state
             elif kind == "trace":
-                new = value
+                rows = value
             elif kind == "buffer":
                 init = initial_value(match.args.outer_in_sit_sot[_sitsot_index(match, state)])
-                new = pt.concatenate([pt.shape_padleft(pt.cast(init, value.dtype)), value], axis=0)
+                rows = pt.concatenate([pt.shape_padleft(pt.cast(init, value.dtype)), value], axis=0)
             else:  # pragma: no cover  (the matcher rejects other uses)
                 raise AssertionError(kind)
+            new = _apply_view(rows, kind, *match.views.get(var, ((), ())))
             if new.type.dtype != var.type.dtype:
                 new = pt.cast(new, var.type.dtype)
             new = var.type.filter_variable(new, allow_convert=True)
             copy_stack_trace(var, new)
             repl[var] = new
     return repl
+
+
+def _apply_view(rows, kind, wrappers, rest):
+    """Read ``rows`` as the user's use did: row-wise wrappers, then the row selection and trailing indices.
+
+    For ``"last"`` / ``"last_row"``, ``rows`` is the final state itself.
+    """
+    if kind == "last" and not wrappers:
+        return rows[rest] if rest else rows
+    if kind in ("last", "last_row"):
+        rows = pt.shape_padleft(rows)  # the final state as the only row
+    for op in wrappers:
+        rows = op(rows)
+    if kind == "last":
+        return rows[(0, *rest)]
+    return rows[(slice(None), *rest)] if rest else rows
 
 
 def _sitsot_index(match, state):
@@ -80,7 +154,7 @@ class FuseScan(NodeRewriter):
         return [Scan]
 
     def transform(self, fgraph, node, enforce_tracks=True):
-        if not isinstance(node.op, Scan):
+        if not _ENABLED or not isinstance(node.op, Scan):
             return None
         try:
             match, rejections = match_scan(fgraph, node, PATTERNS.values())

@@ -357,9 +357,9 @@ def solve_discrete_lyapunov(
     >>> import numpy as np, pytensor.tensor as pt, iterops
     >>> A = pt.matrix("A"); Q = pt.matrix("Q")
     >>> X = iterops.solve_discrete_lyapunov(A, Q)
-    >>> X.eval({A: [[0.5, 0.1], [0.0, 0.3]], Q: np.eye(2)}).round(4)
-    array([[1.3531, 0.0181],
-           [0.0181, 1.0989]])
+    >>> X.eval({A: [[0.5, 0.1], [0.0, 0.3]], Q: np.eye(2)}).round(4)  # = scipy's solution
+    array([[1.3532, 0.0388],
+           [0.0388, 1.0989]])
     """
     func = "solve_discrete_lyapunov"
     if method not in _METHODS:

@@ -128,6 +128,7 @@ OUTPUT_NAMES = (
 )
 INPUT_NAMES = ("y", "a0", "P0", *SYSTEM_NAMES)
 _LOG_2PI = float(np.log(2.0 * np.pi))
+_SMALL = 10  # above this size, matrix products go to BLAS (as iterops.linalg.lyapunov._mm)
 
 
 class KalmanFilterResult(NamedTuple):
@@ -146,6 +147,32 @@ class KalmanFilterResult(NamedTuple):
 # ---------------------------------------------------------------------------
 # Kernels (the single implementation)
 # ---------------------------------------------------------------------------
+
+
+@numba.njit(cache=True)
+def _matmul(X, Y, out):
+    """out = X @ Y (hand-written loops for small matrices, BLAS above ``_SMALL``)."""
+    n_, k_ = X.shape
+    m_ = Y.shape[1]
+    if (n_ > _SMALL or m_ > _SMALL or k_ > _SMALL) and k_ > 0:
+        out[:, :] = np.dot(np.ascontiguousarray(X), np.ascontiguousarray(Y))
+        return
+    for i in range(n_):
+        for j in range(m_):
+            s = 0.0
+            for l in range(k_):
+                s += X[i, l] * Y[l, j]
+            out[i, j] = s
+
+
+@numba.njit(cache=True)
+def _sym_inplace(X):
+    """X <- (X + X^T) / 2 for a square X."""
+    for i in range(X.shape[0]):
+        for j in range(i + 1, X.shape[0]):
+            s = 0.5 * (X[i, j] + X[j, i])
+            X[i, j] = s
+            X[j, i] = s
 
 
 @numba.njit(cache=True)
@@ -180,6 +207,15 @@ def _cho_solve_vec(L, k, b, x):
         for l in range(i + 1, k):
             s -= L[l, i] * x[l]
         x[i] = s / L[i, i]
+
+
+@numba.njit(cache=True)
+def _cho_inverse(L, k, Finv):
+    """Finv[:k, :k] = (L L^T)^{-1} from the Cholesky factor in L[:k, :k]."""
+    for jj in range(k):
+        for i in range(k):
+            Finv[i, jj] = 1.0 if i == jj else 0.0
+        _cho_solve_vec(L, k, Finv[:, jj], Finv[:, jj])
 
 
 @numba.njit(cache=True)
@@ -258,18 +294,8 @@ def _cov_update(P, Zt, Ht, jitter, obs, k, F, Zo, Ho, M, L, K, A, Pf, tmp):
                 s -= K[i, l] * Zo[l, jj]
             A[i, jj] = s
     # Pf = sym(A P A^T + K Ho K^T) + j I ; tmp <- A P
-    for i in range(m):
-        for jj in range(m):
-            s = 0.0
-            for l in range(m):
-                s += A[i, l] * P[l, jj]
-            tmp[i, jj] = s
-    for i in range(m):
-        for jj in range(m):
-            s = 0.0
-            for l in range(m):
-                s += tmp[i, l] * A[jj, l]
-            Pf[i, jj] = s
+    _matmul(A, P, tmp[:m, :m])
+    _matmul(tmp[:m, :m], A.T, Pf)
     if k > 0:
         # tmp[:, :k] <- K Ho
         for i in range(m):
@@ -284,11 +310,8 @@ def _cov_update(P, Zt, Ht, jitter, obs, k, F, Zo, Ho, M, L, K, A, Pf, tmp):
                 for l in range(k):
                     s += tmp[i, l] * K[jj, l]
                 Pf[i, jj] += s
+    _sym_inplace(Pf)
     for i in range(m):
-        for jj in range(i + 1, m):
-            s = 0.5 * (Pf[i, jj] + Pf[jj, i])
-            Pf[i, jj] = s
-            Pf[jj, i] = s
         Pf[i, i] += jitter
     return True, logdet
 
@@ -327,31 +350,36 @@ def _predict_cov(Pf, Tt, Rt, Qt, P_next, tmp, tmp2):
     """P' = sym(T P_f T^T) + sym(R Q R^T)."""
     m = Pf.shape[0]
     r = Qt.shape[0]
-    for i in range(m):
-        for jj in range(m):
-            s = 0.0
-            for l in range(m):
-                s += Tt[i, l] * Pf[l, jj]
-            tmp[i, jj] = s
-    for i in range(m):
-        for jj in range(r):
-            s = 0.0
-            for l in range(r):
-                s += Rt[i, l] * Qt[l, jj]
-            tmp2[i, jj] = s
-    for i in range(m):
-        for jj in range(m):
-            s = 0.0
-            for l in range(m):
-                s += tmp[i, l] * Tt[jj, l]
-            for l in range(r):
-                s += tmp2[i, l] * Rt[jj, l]
-            P_next[i, jj] = s
-    for i in range(m):
-        for jj in range(i + 1, m):
-            s = 0.5 * (P_next[i, jj] + P_next[jj, i])
-            P_next[i, jj] = s
-            P_next[jj, i] = s
+    if m > _SMALL or r > _SMALL:
+        _matmul(Tt, Pf, tmp[:m, :m])
+        _matmul(tmp[:m, :m], Tt.T, P_next)
+        _matmul(Rt, Qt, tmp2[:m, :r])
+        _matmul(tmp2[:m, :r], Rt.T, tmp[:m, :m])
+        for i in range(m):
+            for jj in range(m):
+                P_next[i, jj] += tmp[i, jj]
+    else:
+        for i in range(m):
+            for jj in range(m):
+                s = 0.0
+                for l in range(m):
+                    s += Tt[i, l] * Pf[l, jj]
+                tmp[i, jj] = s
+        for i in range(m):
+            for jj in range(r):
+                s = 0.0
+                for l in range(r):
+                    s += Rt[i, l] * Qt[l, jj]
+                tmp2[i, jj] = s
+        for i in range(m):
+            for jj in range(m):
+                s = 0.0
+                for l in range(m):
+                    s += tmp[i, l] * Tt[jj, l]
+                for l in range(r):
+                    s += tmp2[i, l] * Rt[jj, l]
+                P_next[i, jj] = s
+    _sym_inplace(P_next)
 
 
 @numba.njit(cache=True)
@@ -462,6 +490,188 @@ def kalman_filter_kernel(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv):
 
 
 @numba.njit(cache=True)
+def _steady_adjoint_step(
+    t, a, v, w, af, Tt, Zt, A, K, Zo, Finv, Lss, k, abar, Pbar,
+    g_ll, g_llobs, g_af, g_Pf, g_v, g_F, has_ll, has_llobs, has_af, has_Pf, has_v, has_F,
+    gy, gc, gd, gT, gZ, Gs, Ss, Xs, Ms,
+    G, af_bar, vo_bar, Fo_bar, X_bar, Mo_bar, W1, S, a_bar_new, P_bar_new,
+):
+    """One backward step inside a steady stretch (static system, every component observed,
+    ``cov_jitter = 0``, covariance update bitwise the one of step t+1).
+
+    With ``S = T^T G T + sym(Pf_bar_out)`` (G = sym(P'_bar)) the gain terms of the generic step
+    cancel: ``K_bar = 2 S (K H - A P Z^T) + a_f_bar v^T = a_f_bar v^T`` because ``K F = P Z^T``
+    (optimal gain).  So ``Mo_bar = a_f_bar w^T`` (w = F^{-1} v), ``Fo_bar = -ll_bar/2 (F^{-1} - w w^T)
+    - (K^T a_f_bar) w^T`` and the covariance cotangent recursion is
+
+        P_bar = L^T G L + A^T sym(Pf_bar_out) A + Z^T sym(F_bar) Z + Mo_bar Z,   L = T A.
+
+    The parameter cotangents of the covariance path are linear in (G, S, F_bar, Mo_bar) with
+    coefficients constant over the stretch: their sums ``Gs, Ss, Xs, Ms`` are accumulated here
+    and turned into T/R/Q/H/Z cotangents once by :func:`_steady_flush`.  The mean path
+    (a, v, y, d, c, and the a_f-dependent T and Z terms) is done per step, as in the generic step.
+    """
+    m = a.shape[0]
+    p = v.shape[0]
+    for i in range(m):
+        for j in range(m):
+            G[i, j] = 0.5 * (Pbar[i, j] + Pbar[j, i])
+            Gs[i, j] += G[i, j]
+    # mean path: a' = T a_f + c
+    for i in range(m):
+        gc[i] += abar[i]
+        s = g_af[t, i] if has_af else 0.0
+        for l in range(m):
+            s += Tt[l, i] * abar[l]
+        af_bar[i] = s
+        for j in range(m):
+            gT[i, j] += abar[i] * af[j]
+    ll_bar = 0.0
+    if has_ll:
+        ll_bar += g_ll[()]
+    if has_llobs:
+        ll_bar += g_llobs[t]
+    # u = K^T a_f_bar (stored in vo_bar first)
+    for i in range(k):
+        s = 0.0
+        for l in range(m):
+            s += K[l, i] * af_bar[l]
+        vo_bar[i] = s
+    # F_bar (p == k here: obs = 0..p-1); X_bar = sym(F_bar_out + Fo_bar)
+    for i in range(p):
+        for j in range(p):
+            Fo_bar[i, j] = -0.5 * ll_bar * (Finv[i, j] - w[i] * w[j]) - vo_bar[i] * w[j]
+            X_bar[i, j] = g_F[t, i, j] if has_F else 0.0
+    for i in range(p):
+        for j in range(p):
+            s = 0.5 * (Fo_bar[i, j] + Fo_bar[j, i] + X_bar[i, j] + X_bar[j, i])
+            W1[i, j] = s
+    for i in range(p):
+        for j in range(p):
+            X_bar[i, j] = W1[i, j]
+            Xs[i, j] += W1[i, j]
+    for i in range(m):
+        for j in range(p):
+            Mo_bar[i, j] = af_bar[i] * w[j]
+            Ms[i, j] += Mo_bar[i, j]
+    # P_bar = L^T G L (+ A^T sym(g_Pf) A) + Z^T X_bar Z + Mo_bar Z
+    _matmul(G, Lss, S)  # S <- G L
+    _matmul(Lss.T, S, P_bar_new)
+    if has_Pf:
+        for i in range(m):
+            for j in range(m):
+                W1[i, j] = 0.5 * (g_Pf[t, i, j] + g_Pf[t, j, i])
+                Ss[i, j] += W1[i, j]
+        _matmul(W1[:m, :m], A, S)
+        _matmul(A.T, S, G)  # (G no longer needed)
+        for i in range(m):
+            for j in range(m):
+                P_bar_new[i, j] += G[i, j]
+    for i in range(p):  # W1[:p, :m] = X_bar Z
+        for j in range(m):
+            s = 0.0
+            for l in range(p):
+                s += X_bar[i, l] * Zt[l, j]
+            W1[i, j] = s
+    for i in range(m):
+        for j in range(m):
+            s = 0.0
+            for l in range(p):
+                s += Zt[l, i] * W1[l, j] + Mo_bar[i, l] * Zt[l, j]
+            P_bar_new[i, j] += s
+    # v = y - d - Z a: vo_bar = u - ll_bar w (+ g_v)
+    for i in range(p):
+        vb = vo_bar[i] - ll_bar * w[i]
+        if has_v:
+            vb += g_v[t, i]
+        vo_bar[i] = vb
+        gy[t, i] += vb
+        gd[i] -= vb
+        for j in range(m):
+            gZ[i, j] -= vb * a[j]
+    for j in range(m):
+        s = af_bar[j]
+        for i in range(p):
+            s -= Zt[i, j] * vo_bar[i]
+        a_bar_new[j] = s
+
+
+@numba.njit(cache=True)
+def _steady_flush(Tt, Zt, Rt, Qt, P, Pf, A, K, k, Gs, Ss, Xs, Ms, gT, gZ, gR, gH, gQ, W1, W2):
+    """Add the covariance-path parameter cotangents of a steady stretch (sums from
+    :func:`_steady_adjoint_step`) and reset the sums.  Same formulas as the generic step:
+    T_bar += 2 G T Pf; R_bar += G R (Q + Q^T); Q_bar += R^T G R; with S = T^T G T + sym(Pf_bar_out):
+    A_bar = S A (P + P^T), Z_bar -= K^T A_bar, H_bar += K^T S K; and H_bar += F_bar,
+    Z_bar += F_bar Z (P + P^T) + Mo_bar^T P."""
+    m = Tt.shape[0]
+    p = Zt.shape[0]
+    r = Qt.shape[0]
+    _matmul(Gs, Tt, W1[:m, :m])  # W1 = G T
+    for i in range(m):  # Ss += T^T (G T)
+        for j in range(m):
+            s = 0.0
+            for l in range(m):
+                s += Tt[l, i] * W1[l, j]
+            Ss[i, j] += s
+    _matmul(W1[:m, :m], Pf, W2[:m, :m])
+    for i in range(m):
+        for j in range(m):
+            gT[i, j] += 2.0 * W2[i, j]
+    for i in range(m):  # W1[:, :r] = G R
+        for j in range(r):
+            s = 0.0
+            for l in range(m):
+                s += Gs[i, l] * Rt[l, j]
+            W1[i, j] = s
+    for i in range(m):
+        for j in range(r):
+            s = 0.0
+            for l in range(r):
+                s += W1[i, l] * (Qt[l, j] + Qt[j, l])
+            gR[i, j] += s
+    for i in range(r):
+        for j in range(r):
+            s = 0.0
+            for l in range(m):
+                s += Rt[l, i] * W1[l, j]
+            gQ[i, j] += s
+    _matmul(Ss, A, W1[:m, :m])  # W1 = S A
+    for i in range(m):  # W2 = A_bar = (S A)(P + P^T)
+        for j in range(m):
+            s = 0.0
+            for l in range(m):
+                s += W1[i, l] * (P[l, j] + P[j, l])
+            W2[i, j] = s
+    for i in range(k):  # Z_bar -= K^T A_bar
+        for j in range(m):
+            s = 0.0
+            for l in range(m):
+                s += K[l, i] * W2[l, j]
+            gZ[i, j] -= s
+    _matmul(Ss, K[:, :k], W1[:m, :k])  # W1 = S K
+    for i in range(k):
+        for j in range(k):
+            s = 0.0
+            for l in range(m):
+                s += K[l, i] * W1[l, j]
+            gH[i, j] += s
+    for i in range(p):
+        for j in range(p):
+            gH[i, j] += Xs[i, j]
+    _matmul(Xs, Zt, W1[:p, :m])
+    for i in range(p):
+        for j in range(m):
+            s = 0.0
+            for l in range(m):
+                s += W1[i, l] * (P[l, j] + P[j, l]) + Ms[l, i] * P[l, j]
+            gZ[i, j] += s
+    Gs[:, :] = 0.0
+    Ss[:, :] = 0.0
+    Xs[:, :] = 0.0
+    Ms[:, :] = 0.0
+
+
+@numba.njit(cache=True)
 def kalman_adjoint_kernel(
     y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv, ap, Pp,
     g_ll, g_llobs, g_af, g_Pf, g_ap, g_Pp, g_v, g_F,
@@ -515,7 +725,16 @@ def kalman_adjoint_kernel(
     static = _static_cov(T, Z, R, H, Q)
     cached_full = False
     P_cached = np.empty((m, m))
+    Psym = np.empty((m, m))
     logdet = 0.0
+    # steady-state fast path (see _steady_adjoint_step): L = T A and the sums of the stretch
+    fast = jitter == 0.0 and static
+    Lss = np.empty((m, m))
+    Gs = np.zeros((m, m))
+    Ss = np.zeros((m, m))
+    Xs = np.zeros((p, p))
+    Ms = np.zeros((m, p))
+    n_acc = 0
     for t in range(n - 1, -1, -1):
         it_c, it_d, it_T, it_Z = _ti(c, t), _ti(d, t), _ti(T, t), _ti(Z, t)
         it_R, it_H, it_Q = _ti(R, t), _ti(H, t), _ti(Q, t)
@@ -526,15 +745,17 @@ def kalman_adjoint_kernel(
         # recompute the covariance update unless it is bitwise the one of step t+1
         reuse = static and k == p and cached_full and _same(P, P_cached)
         if not reuse:
+            if n_acc > 0:  # leave a steady stretch: its parameter cotangents, once
+                _steady_flush(T[0], Z[0], R[0], Q[0], P_cached, Pf, A, K, p, Gs, Ss, Xs, Ms,
+                              gT[0], gZ[0], gR[0], gH[0], gQ[0], W1, tmp2)
+                n_acc = 0
             ok, logdet = _cov_update(P, Zt, Ht, jitter, obs, k, F, Zo, Ho, M, L, K, A, Pf, tmp)
             cached_full = k == p
             P_cached[:] = P
             if ok:
-                # Finv = F_oo^{-1}
-                for jj in range(k):
-                    for i in range(k):
-                        Finv[i, jj] = 1.0 if i == jj else 0.0
-                    _cho_solve_vec(L, k, Finv[:, jj], Finv[:, jj])
+                _cho_inverse(L, k, Finv)
+                if fast and cached_full:
+                    _matmul(Tt, A, Lss)
         else:
             ok = True
         if ok:
@@ -544,6 +765,23 @@ def kalman_adjoint_kernel(
                     np.full_like(c, np.nan), np.full_like(d, np.nan), np.full_like(T, np.nan),
                     np.full_like(Z, np.nan), np.full_like(R, np.nan), np.full_like(H, np.nan),
                     np.full_like(Q, np.nan))
+        if reuse and fast:
+            _steady_adjoint_step(
+                t, a, v, w, af, Tt, Zt, A, K, Zo, Finv, Lss, k, abar, Pbar,
+                g_ll, g_llobs, g_af, g_Pf, g_v, g_F, has_ll, has_llobs, has_af, has_Pf, has_v, has_F,
+                gy, gc[0], gd[0], gT[0], gZ[0], Gs, Ss, Xs, Ms,
+                G, af_bar, vo_bar, Fo_bar, X_bar, Mo_bar, W1, S, a_bar_new, P_bar_new,
+            )
+            n_acc += 1
+            for i in range(m):
+                abar[i] = a_bar_new[i]
+                if has_ap:
+                    abar[i] += g_ap[t, i]
+                for jj in range(m):
+                    Pbar[i, jj] = P_bar_new[i, jj]
+                    if has_Pp:
+                        Pbar[i, jj] += g_Pp[t, i, jj]
+            continue
         # --- predict: a' = T a_f + c ; P' = sym(T Pf T^T) + sym(R Q R^T) ---
         # G = sym(P'_bar); Pf_bar = T^T G T; T_bar += 2 G T Pf (G, Pf symmetric);
         # R_bar += G R (Q + Q^T); Q_bar += R^T G R; c_bar += a'_bar; T_bar += a'_bar a_f^T;
@@ -551,24 +789,12 @@ def kalman_adjoint_kernel(
         for i in range(m):
             for jj in range(m):
                 G[i, jj] = 0.5 * (Pbar[i, jj] + Pbar[jj, i])
-        for i in range(m):  # W1 = G T
+        _matmul(G, Tt, W1[:m, :m])  # W1 = G T
+        _matmul(Tt.T, W1[:m, :m], Pf_bar)  # Pf_bar = T^T (G T)
+        _matmul(W1[:m, :m], Pf, S)  # T_bar += 2 (G T) Pf + a'_bar a_f^T  (S: scratch here)
+        for i in range(m):
             for jj in range(m):
-                s = 0.0
-                for l in range(m):
-                    s += G[i, l] * Tt[l, jj]
-                W1[i, jj] = s
-        for i in range(m):  # Pf_bar = T^T (G T)
-            for jj in range(m):
-                s = 0.0
-                for l in range(m):
-                    s += Tt[l, i] * W1[l, jj]
-                Pf_bar[i, jj] = s
-        for i in range(m):  # T_bar += 2 (G T) Pf + a'_bar a_f^T
-            for jj in range(m):
-                s = 0.0
-                for l in range(m):
-                    s += W1[i, l] * Pf[l, jj]
-                gT[it_T, i, jj] += 2.0 * s + abar[i] * af[jj]
+                gT[it_T, i, jj] += 2.0 * S[i, jj] + abar[i] * af[jj]
         for i in range(m):  # W1[:, :r] = G R
             for jj in range(r):
                 s = 0.0
@@ -605,24 +831,12 @@ def kalman_adjoint_kernel(
         for i in range(m):
             for jj in range(m):
                 S[i, jj] = 0.5 * (Pf_bar[i, jj] + Pf_bar[jj, i])
-        for i in range(m):  # W1 = S A
+        _matmul(S, A, W1[:m, :m])  # W1 = S A
+        for i in range(m):
             for jj in range(m):
-                s = 0.0
-                for l in range(m):
-                    s += S[i, l] * A[l, jj]
-                W1[i, jj] = s
-        for i in range(m):  # A_bar = (S A)(P + P^T)
-            for jj in range(m):
-                s = 0.0
-                for l in range(m):
-                    s += W1[i, l] * (P[l, jj] + P[jj, l])
-                A_bar[i, jj] = s
-        for i in range(m):  # P_bar_new = A^T (S A)
-            for jj in range(m):
-                s = 0.0
-                for l in range(m):
-                    s += A[l, i] * W1[l, jj]
-                P_bar_new[i, jj] = s
+                Psym[i, jj] = P[i, jj] + P[jj, i]
+        _matmul(W1[:m, :m], Psym, A_bar)  # A_bar = (S A)(P + P^T)
+        _matmul(A.T, W1[:m, :m], P_bar_new)  # P_bar_new = A^T (S A)
         for i in range(m):  # W1[:, :k] = S K
             for jj in range(k):
                 s = 0.0
@@ -746,6 +960,9 @@ def kalman_adjoint_kernel(
                 Pbar[i, jj] = P_bar_new[i, jj]
                 if has_Pp:
                     Pbar[i, jj] += g_Pp[t, i, jj]
+    if n_acc > 0:
+        _steady_flush(T[0], Z[0], R[0], Q[0], P_cached, Pf, A, K, p, Gs, Ss, Xs, Ms,
+                      gT[0], gZ[0], gR[0], gH[0], gQ[0], W1, tmp2)
     return gy, abar, Pbar, gc, gd, gT, gZ, gR, gH, gQ
 
 
@@ -846,21 +1063,27 @@ def _props_common(tv, cov_jitter, missing_value):
     )
 
 
-@register_fused_op
-class KalmanFilter(FusedOp):
-    """Core Op of :func:`kalman_filter` (float64 inputs; system matrices carry a time axis).
-
-    ``time_varying``: tuple of 7 bools for (c, d, T, Z, R, H, Q); a static
-    matrix has a time axis of length 1.
-    """
+class KalmanOpBase(FusedOp):
+    """Options shared by the filter and smoother core Ops (float64 inputs; system matrices carry
+    a time axis).  ``time_varying``: tuple of 7 bools for (c, d, T, Z, R, H, Q); a static matrix
+    has a time axis of length 1."""
 
     __props__ = ("time_varying", "cov_jitter", "missing_value")
-    gufunc_signature = ",".join(_IN_SIG) + "->" + ",".join(_OUT_SIG)
 
     def __init__(self, time_varying=(False,) * 7, cov_jitter=0.0, missing_value=None):
         self.time_varying = tuple(bool(x) for x in time_varying)
         self.cov_jitter = float(cov_jitter)
         self.missing_value = None if missing_value is None else float(missing_value)
+
+    def _entry_args(self):
+        return _props_common(self.time_varying, self.cov_jitter, self.missing_value)
+
+
+@register_fused_op
+class KalmanFilter(KalmanOpBase):
+    """Core Op of :func:`kalman_filter` (see :class:`KalmanOpBase` for the options)."""
+
+    gufunc_signature = ",".join(_IN_SIG) + "->" + ",".join(_OUT_SIG)
 
     def make_node(self, *inputs):
         inputs = [pt.as_tensor_variable(x) for x in inputs]
@@ -882,7 +1105,7 @@ class KalmanFilter(FusedOp):
         return [(), (n,), (n, m), (n, m, m), (n + 1, m), (n + 1, m, m), (n, p), (n, p, p)]
 
     def numba_fn(self, node):
-        return _filter_entry(*_props_common(self.time_varying, self.cov_jitter, self.missing_value))
+        return _filter_entry(*self._entry_args())
 
     def pullback(self, inputs, outputs, cotangents):
         connected = tuple(not isinstance(g.type, DisconnectedType) for g in cotangents)
@@ -1056,15 +1279,21 @@ def kalman_filter(
     >>> float(res.loglik.eval()).__round__(6)
     -3.162017
     """
-    func = "kalman_filter"
-    inputs, tv, out_dtype = _prepare_inputs(func, y, a0, P0, c, d, T, Z, R, H, Q, time_varying)
+    outs = _apply_kalman_op(
+        "kalman_filter", KalmanFilter, (y, a0, P0, c, d, T, Z, R, H, Q), time_varying, cov_jitter, missing_value
+    )
+    return KalmanFilterResult(*outs)
+
+
+def _apply_kalman_op(func, op_type, args, time_varying, cov_jitter, missing_value):
+    """Validate (graph-build time), apply ``op_type`` through ``Blockwise``, cast back to the input precision."""
+    inputs, tv, out_dtype = _prepare_inputs(func, *args, time_varying)
     if not np.isfinite(cov_jitter) or cov_jitter < 0:
         raise ValueError(f"{func}: cov_jitter must be finite and >= 0, got {cov_jitter}")
-    op = KalmanFilter(tv, cov_jitter, missing_value)
-    outs = Blockwise(op)(*inputs)
+    outs = Blockwise(op_type(tv, cov_jitter, missing_value))(*inputs)
     if out_dtype != "float64":
         outs = [pt.cast(o, out_dtype) for o in outs]
-    return KalmanFilterResult(*outs)
+    return outs
 
 
 def stationary_cov(T, R, Q) -> TensorVariable:

@@ -33,19 +33,21 @@ import numpy as np
 import pytensor.tensor as pt
 from pytensor.gradient import grad_not_implemented
 from pytensor.graph.basic import Apply
-from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.variable import TensorVariable
 
-from iterops._fused import FusedOp, entry_point, register_fused_op
+from iterops._fused import entry_point, register_fused_op
 from iterops.ts.kalman import (
     _IN_SIG,
+    KalmanOpBase,
+    _apply_kalman_op,
     _c,
     _check_shapes_jit,
+    _cho_inverse,
     _cov_update,
+    _matmul,
     _mean_update,
     _observe,
-    _props_common,
-    _prepare_inputs,
+    _sym_inplace,
     _ti,
     _workspace,
     kalman_filter_kernel,
@@ -61,7 +63,10 @@ class KalmanSmootherResult(NamedTuple):
 
 @numba.njit(cache=True)
 def kalman_smoother_kernel(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv):
-    """Smoothed states and covariances of one series (shapes as :func:`kalman_filter_kernel`)."""
+    """Smoothed states and covariances of one series (shapes as :func:`kalman_filter_kernel`).
+
+    Reuses the filter's kernel and its measurement-update helpers, so the gain and ``F_oo^{-1}``
+    are bitwise those of the filter."""
     n, p = y.shape
     m = a0.shape[0]
     r_dim = Q.shape[1]
@@ -82,23 +87,13 @@ def kalman_smoother_kernel(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv):
     W = np.empty((m, m))
     Finv = np.empty((p, p))
     for t in range(n - 1, -1, -1):
-        Tt = T[_ti(T, t)]
         Zt = Z[_ti(Z, t)]
         P = Pp[t]
         k = _observe(ap[t], y[t], d[_ti(d, t)], Zt, mv, use_mv, v, obs)
         ok, logdet = _cov_update(P, Zt, H[_ti(H, t)], jitter, obs, k, F, Zo, Ho, M, L, K, A, Pf, tmp)
         _mean_update(ap[t], v, obs, k, logdet, L, K, w, af)
-        for jj in range(k):
-            for i in range(k):
-                Finv[i, jj] = 1.0 if i == jj else 0.0
-            _cho_solve_vec_local(L, k, Finv[:, jj])
-        # L_t = T A
-        for i in range(m):
-            for j in range(m):
-                s = 0.0
-                for l in range(m):
-                    s += Tt[i, l] * A[l, j]
-                Lt[i, j] = s
+        _cho_inverse(L, k, Finv)
+        _matmul(T[_ti(T, t)], A, Lt)  # L_t = T A
         # r <- Zo^T w + L_t^T r
         for i in range(m):
             s = 0.0
@@ -108,74 +103,28 @@ def kalman_smoother_kernel(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv):
                 s += Lt[l, i] * r[l]
             r_new[i] = s
         r[:] = r_new
-        # N <- Zo^T Finv Zo + L_t^T N L_t
+        # N <- L_t^T N L_t + Zo^T Finv Zo
+        _matmul(N, Lt, W)
+        _matmul(Lt.T, W, N)
+        _matmul(Finv[:k, :k], Zo[:k], tmp[:k, :m])
+        _matmul(Zo[:k].T, tmp[:k, :m], W)
         for i in range(m):
             for j in range(m):
-                s = 0.0
-                for l in range(m):
-                    s += N[i, l] * Lt[l, j]
-                W[i, j] = s
-        for i in range(m):
-            for j in range(m):
-                s = 0.0
-                for l in range(m):
-                    s += Lt[l, i] * W[l, j]
-                N[i, j] = s
-        for i in range(k):  # tmp[:k, :m] = Finv Zo
-            for j in range(m):
-                s = 0.0
-                for l in range(k):
-                    s += Finv[i, l] * Zo[l, j]
-                tmp[i, j] = s
-        for i in range(m):
-            for j in range(m):
-                s = 0.0
-                for l in range(k):
-                    s += Zo[l, i] * tmp[l, j]
-                N[i, j] += s
-        for i in range(m):
-            for j in range(i + 1, m):
-                s = 0.5 * (N[i, j] + N[j, i])
-                N[i, j] = s
-                N[j, i] = s
+                N[i, j] += W[i, j]
+        _sym_inplace(N)
         # a_s = a + P r ; P_s = P - P N P
         for i in range(m):
             s = ap[t, i]
             for l in range(m):
                 s += P[i, l] * r[l]
             a_s[t, i] = s
+        _matmul(N, P, W)
+        _matmul(P, W, P_s[t])
         for i in range(m):
             for j in range(m):
-                s = 0.0
-                for l in range(m):
-                    s += N[i, l] * P[l, j]
-                W[i, j] = s
-        for i in range(m):
-            for j in range(m):
-                s = 0.0
-                for l in range(m):
-                    s += P[i, l] * W[l, j]
-                P_s[t, i, j] = P[i, j] - s
-        for i in range(m):
-            for j in range(i + 1, m):
-                s = 0.5 * (P_s[t, i, j] + P_s[t, j, i])
-                P_s[t, i, j] = s
-                P_s[t, j, i] = s
+                P_s[t, i, j] = P[i, j] - P_s[t, i, j]
+        _sym_inplace(P_s[t])
     return a_s, P_s
-
-
-@numba.njit(cache=True)
-def _cho_solve_vec_local(L, k, x):
-    for i in range(k):
-        s = x[i]
-        for l in range(i):
-            s -= L[i, l] * x[l]
-        x[i] = s / L[i, i]
-    for i in range(k - 1, -1, -1):
-        s = x[i]
-        for l in range(i + 1, k):
-            s -= L[l, i] * x[l]
-        x[i] = s / L[i, i]
 
 
 @entry_point
@@ -192,16 +141,10 @@ def _smoother_entry(tv: tuple, jitter: float, mv: float, use_mv: bool):
 
 
 @register_fused_op
-class KalmanSmoother(FusedOp):
-    """Core Op of :func:`kalman_smoother` (float64 inputs; system matrices carry a time axis)."""
+class KalmanSmoother(KalmanOpBase):
+    """Core Op of :func:`kalman_smoother` (options as :class:`iterops.ts.kalman.KalmanOpBase`)."""
 
-    __props__ = ("time_varying", "cov_jitter", "missing_value")
     gufunc_signature = ",".join(_IN_SIG) + "->(n,m),(n,m,m)"
-
-    def __init__(self, time_varying=(False,) * 7, cov_jitter=0.0, missing_value=None):
-        self.time_varying = tuple(bool(x) for x in time_varying)
-        self.cov_jitter = float(cov_jitter)
-        self.missing_value = None if missing_value is None else float(missing_value)
 
     def make_node(self, *inputs):
         inputs = [pt.as_tensor_variable(x) for x in inputs]
@@ -215,7 +158,7 @@ class KalmanSmoother(FusedOp):
         return [(n, m), (n, m, m)]
 
     def numba_fn(self, node):
-        return _smoother_entry(*_props_common(self.time_varying, self.cov_jitter, self.missing_value))
+        return _smoother_entry(*self._entry_args())
 
     def pullback(self, inputs, outputs, cotangents):
         return [
@@ -246,11 +189,7 @@ def kalman_smoother(
     >>> res.smoothed_state.eval().round(4).ravel()
     array([0.6522, 0.6739, 0.6957])
     """
-    func = "kalman_smoother"
-    inputs, tv, out_dtype = _prepare_inputs(func, y, a0, P0, c, d, T, Z, R, H, Q, time_varying)
-    if not np.isfinite(cov_jitter) or cov_jitter < 0:
-        raise ValueError(f"{func}: cov_jitter must be finite and >= 0, got {cov_jitter}")
-    outs = Blockwise(KalmanSmoother(tv, cov_jitter, missing_value))(*inputs)
-    if out_dtype != "float64":
-        outs = [pt.cast(o, out_dtype) for o in outs]
+    outs = _apply_kalman_op(
+        "kalman_smoother", KalmanSmoother, (y, a0, P0, c, d, T, Z, R, H, Q), time_varying, cov_jitter, missing_value
+    )
     return KalmanSmootherResult(*outs)

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import pytensor.tensor as pt
-from pytensor.graph.basic import Constant
-from pytensor.graph.fg import FunctionGraph
-from pytensor.graph.rewriting.utils import rewrite_graph
 from pytensor.tensor.basic import ARange
 from pytensor.tensor.subtensor import Subtensor, indices_from_subtensor
 
-from iterops.fusion.matcher import constant_value
+from iterops.fusion.matcher import constant_value, provably_equal
 
 __all__ = ["CONVERGENCE_STOPS", "provably_equal", "is_counter_sequence", "strip_leading_slices", "static_square"]
 
@@ -31,22 +28,6 @@ CONVERGENCE_STOPS = tuple(
         lambda new, old, tol, diff=diff: pt.linalg.norm(diff(new, old)) < tol,
     )
 )
-
-
-def provably_equal(a, b) -> bool:
-    """True when the scalar graphs ``a`` and ``b`` are equal for every input.
-
-    Proof by canonicalization: ``eq(a, b)`` folds to the constant 1 when the
-    two sides merge (same computation, or equal static shapes).
-    """
-    a, b = pt.as_tensor_variable(a), pt.as_tensor_variable(b)
-    ca, cb = constant_value(a), constant_value(b)
-    if ca is not None and cb is not None:
-        return ca == cb
-    fg = FunctionGraph(outputs=[pt.eq(a, b)], clone=True, copy_inputs=False)
-    rewrite_graph(fg, include=("ShapeOpt", "canonicalize"), exclude=("iterops",))
-    out = fg.outputs[0]
-    return isinstance(out, Constant) and bool(out.data)
 
 
 def strip_leading_slices(v):

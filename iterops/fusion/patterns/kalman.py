@@ -237,7 +237,7 @@ def _build_textbook(m):
     d = o.get("d", pt.zeros((p_dim,), dtype=m.dtype))
     res = kalman_filter(y, o["a"], o["P"], c, d, o["T"], o["Z"], o["R"], o["H"], o["Q"])
     # the loop has no missing-data handling: a NaN observation poisons it from that step on
-    bad = pt.gt(pt.cumsum(pt.any(pt.isnan(y), axis=-1)), 0)
+    bad = pt.gt(pt.cumsum(pt.cast(pt.any(pt.isnan(y), axis=-1), "int64")), 0)
     nan = np.array(np.nan, dtype=res.loglik_obs.dtype)
     return {
         "a": pt.switch(bad[:, None], nan, res.predicted_state[1:]),
