@@ -27,14 +27,69 @@ import inspect
 import sys
 from functools import cache
 
+import llvmlite.binding
+import numba
 import numpy as np
+from numba.extending import intrinsic
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.link.numba.dispatch.basic import register_funcify_default_op_cache_key
 from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.utils import _parse_gufunc_signature
 
-__all__ = ["FusedOp", "apply_batched", "register_fused_op", "entry_point"]
+__all__ = ["FusedOp", "apply_batched", "register_fused_op", "entry_point", "data_ptr", "F64P", "opaque_kernel"]
+
+#: ``double*`` in a ``numba.cfunc`` signature (see :func:`data_ptr`).
+F64P = numba.types.CPointer(numba.types.float64)
+
+
+class OpaqueKernel:
+    """A kernel behind a C-ABI barrier: ``numba.cfunc(signature, cache=True)`` compiled on first use,
+    its address registered with LLVM under a symbol named after the module's source hash, and
+    called from jitted code as ``numba.types.ExternalFunction`` (:attr:`external`).
+
+    Why: a jitted function that calls another jitted function links the callee's IR into its own
+    module and optimizes and code-generates it again.  For a large kernel (the Kalman adjoint) that
+    costs tens of seconds for *every* new PyTensor graph that uses the Op.  A call through a symbol
+    is opaque, so a new graph compiles only its glue, and the glue stays cacheable on disk (an
+    embedded address would not be).  The cfunc rebuilds arrays from :func:`data_ptr` pointers with
+    ``numba.carray``.  The symbol is registered when an Op's ``numba_fn`` builds its entry point,
+    which PyTensor does for every node before it loads a cached graph, so cached graphs resolve it.
+    """
+
+    def __init__(self, signature, pyfunc):
+        self.signature = signature
+        self.pyfunc = pyfunc
+        src = inspect.getsource(sys.modules[pyfunc.__module__])
+        digest = hashlib.sha256(src.encode()).hexdigest()[:16]
+        self.symbol = f"iterops_{pyfunc.__module__.replace('.', '_')}_{pyfunc.__name__}_{digest}"
+
+    @property
+    def external(self):
+        return _register_opaque(self)
+
+
+@cache
+def _register_opaque(kernel: OpaqueKernel):
+    compiled = numba.cfunc(kernel.signature, cache=True)(kernel.pyfunc)
+    llvmlite.binding.add_symbol(kernel.symbol, compiled.address)
+    return numba.types.ExternalFunction(kernel.symbol, kernel.signature)
+
+
+def opaque_kernel(signature):
+    """Decorator: ``@opaque_kernel(sig)`` turns a function into an :class:`OpaqueKernel`."""
+    return lambda pyfunc: OpaqueKernel(signature, pyfunc)
+
+
+@intrinsic
+def data_ptr(typingctx, arr):
+    """Pointer to the data of a C-contiguous array, to pass it to an :class:`OpaqueKernel`."""
+    sig = numba.types.CPointer(arr.dtype)(arr)
+
+    def codegen(context, builder, signature, args):
+        return context.make_array(arr)(context, builder, value=args[0]).data
+
+    return sig, codegen
 
 
 class FusedOp(Op):

@@ -13,14 +13,24 @@ One step of the filter (``a, P`` = prediction of alpha_t given y_1..y_{t-1};
 ``j`` = ``cov_jitter``)::
 
     v   = y_t - d_t - Z_t a                         forecast error (NaN where missing)
-    F   = sym(Z_t P Z_t^T + H_t) + j I              forecast error covariance (all p rows)
+    S   = sym(P)                                    (P enters only through S)
+    F   = Z_t S Z_t^T + sym(H_t) + j I              forecast error covariance (all p rows)
     L   = chol(F[o, o])                             -> loglik = -inf if not PD
-    K   = P Z_o^T F_oo^{-1}                         gain (Cholesky solves)
+    M   = S Z_o^T;  K = M F_oo^{-1}                 gain (Cholesky solves)
     ll  = -(k log 2 pi + log|F_oo| + v_o^T F_oo^{-1} v_o) / 2
     a_f = a + K v_o
-    P_f = sym((I - K Z_o) P (I - K Z_o)^T + K H_oo K^T) + j I    (Joseph form)
+    P_f = S - K M^T - j K K^T + j I
     a'  = T_t a_f + c_t
-    P'  = sym(T_t P_f T_t^T) + sym(R_t Q_t R_t^T)
+    P'  = T_t P_f T_t^T + R_t sym(Q_t) R_t^T
+
+Every symmetric matrix is computed on one triangle and mirrored, so the
+covariances are exactly symmetric.  For this (optimal) gain ``P_f`` is the Joseph
+form ``(I - K Z_o) S (I - K Z_o)^T + K H_oo K^T + j I`` (expand it with
+``K F_oo = M``), which is what pymc-extras evaluates; the expanded form costs
+O(m^2 k) instead of O(m^3) and is what statsmodels' conventional filter uses.
+Because ``P0`` enters through ``sym(P0)``, the gradient with respect to ``P0``
+is symmetric (plus the cotangent of ``predicted_cov[0]``, which is ``P0``
+itself).
 
 A fully missing row gives ``ll = 0``, ``a_f = a``, ``P_f = sym(P) + j I``.  With
 ``cov_jitter=0`` (the default) this is statsmodels' conventional filter with
@@ -74,8 +84,15 @@ each step's update from the stored predictions (``predicted_state``,
 ``predicted_cov``) and reverses it primitive by primitive (the comments in
 :func:`kalman_adjoint_kernel` give each step's vector-Jacobian product).  It
 supports cotangents of every output, with respect to every input (``y`` where
-observed; 0 where missing).  The gradient Op itself is not differentiable
+observed; 0 where missing).  Over a steady-state stretch the gain terms cancel
+and the covariance cotangents of the whole stretch follow from one Lyapunov
+equation, so far from its start only the O(m p + m^2) mean path runs per step
+(:func:`_steady_adjoint_run`).  The gradient Op itself is not differentiable
 (second derivatives raise).
+
+The kernels sit behind a C-ABI barrier (:class:`iterops._fused.OpaqueKernel`):
+they compile once per machine (about a minute, cached on disk) and a new graph
+that uses them compiles in about a second.
 
 Reference loop this replaces (what pymc-extras writes with ``pytensor.scan``)::
 
@@ -100,7 +117,7 @@ from pytensor.graph.basic import Apply
 from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.variable import TensorVariable
 
-from iterops._fused import FusedOp, entry_point, register_fused_op
+from iterops._fused import F64P, FusedOp, data_ptr, entry_point, opaque_kernel, register_fused_op
 from iterops._validate import as_tensor, float_dtype
 
 __all__ = [
@@ -150,19 +167,24 @@ class KalmanFilterResult(NamedTuple):
 
 
 @numba.njit(cache=True)
-def _matmul(X, Y, out):
-    """out = X @ Y (hand-written loops for small matrices, BLAS above ``_SMALL``)."""
+def _matmul(X, Y, out, alpha=1.0, beta=0.0):
+    """out = alpha X @ Y + beta out (loops for small matrices, BLAS above ``_SMALL``).
+
+    ``X``/``Y`` may be transposed or sliced views; with ``beta = 0`` what ``out`` held is ignored."""
     n_, k_ = X.shape
     m_ = Y.shape[1]
-    if (n_ > _SMALL or m_ > _SMALL or k_ > _SMALL) and k_ > 0:
-        out[:, :] = np.dot(np.ascontiguousarray(X), np.ascontiguousarray(Y))
+    if (n_ > _SMALL or m_ > _SMALL or k_ > _SMALL) and n_ > 0 and m_ > 0 and k_ > 0:
+        prod = np.dot(np.ascontiguousarray(X), np.ascontiguousarray(Y))
+        for i in range(n_):
+            for j in range(m_):
+                out[i, j] = alpha * prod[i, j] + (beta * out[i, j] if beta != 0.0 else 0.0)
         return
     for i in range(n_):
         for j in range(m_):
             s = 0.0
             for l in range(k_):
                 s += X[i, l] * Y[l, j]
-            out[i, j] = s
+            out[i, j] = alpha * s + (beta * out[i, j] if beta != 0.0 else 0.0)
 
 
 @numba.njit(cache=True)
@@ -173,6 +195,16 @@ def _sym_inplace(X):
             s = 0.5 * (X[i, j] + X[j, i])
             X[i, j] = s
             X[j, i] = s
+
+
+@numba.njit(cache=True)
+def _sym_into(X, out, scale=1.0):
+    """out = scale (X + X^T) / 2 for a square X."""
+    for i in range(X.shape[0]):
+        for j in range(i, X.shape[0]):
+            s = 0.5 * scale * (X[i, j] + X[j, i])
+            out[i, j] = s
+            out[j, i] = s
 
 
 @numba.njit(cache=True)
@@ -194,7 +226,7 @@ def _cholesky(F, L, k):
     return True
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _cho_solve_vec(L, k, b, x):
     """x[:k] = (L L^T)^{-1} b[:k]; ``x`` may alias ``b``."""
     for i in range(k):
@@ -218,6 +250,11 @@ def _cho_inverse(L, k, Finv):
         _cho_solve_vec(L, k, Finv[:, jj], Finv[:, jj])
 
 
+@numba.njit(cache=True, inline="always")
+def _missing(yi, mv, use_mv):
+    return np.isnan(yi) or (use_mv and yi == mv)
+
+
 @numba.njit(cache=True)
 def _observe(a, yt, dt, Zt, mv, use_mv, v, obs):
     """v = y_t - d_t - Z_t a (NaN where missing); ``obs[:k]`` = observed indices.  Returns k."""
@@ -229,7 +266,7 @@ def _observe(a, yt, dt, Zt, mv, use_mv, v, obs):
         s = yi - dt[i]
         for l in range(m):
             s -= Zt[i, l] * a[l]
-        if np.isnan(yi) or (use_mv and yi == mv):
+        if _missing(yi, mv, use_mv):
             v[i] = np.nan
         else:
             v[i] = s
@@ -239,81 +276,76 @@ def _observe(a, yt, dt, Zt, mv, use_mv, v, obs):
 
 
 @numba.njit(cache=True)
-def _cov_update(P, Zt, Ht, jitter, obs, k, F, Zo, Ho, M, L, K, A, Pf, tmp):
+def _cov_update(P, Zt, Ht, jitter, obs, k, Ps, PZ, F, Zo, M, L, K, Pf):
     """Covariance part of the measurement update.  Returns ``(ok, log|F_oo|)``.
 
-    Writes ``F`` (p, p) in full, ``Zo[:k]``, ``Ho[:k, :k]``, ``M[:, :k] = P Zo^T``,
-    ``L[:k, :k] = chol(F_oo)``, ``K[:, :k] = M F_oo^{-1}``, ``A = I - K Zo`` and
-    ``Pf = sym(A P A^T + K Ho K^T) + j I``.
+    Writes ``Ps = sym(P)``, ``PZ = Ps Z^T``, ``F = Z Ps Z^T + sym(H) + j I`` (all p rows),
+    ``Zo[:k]``, ``M[:, :k] = Ps Zo^T``, ``L[:k, :k] = chol(F_oo)``, ``K[:, :k] = M F_oo^{-1}`` and
+    ``Pf = Ps - K M^T - j K K^T + j I``.  Every symmetric result is computed on one triangle and
+    mirrored, so it is exactly symmetric.  For this (optimal) gain ``Pf`` equals the Joseph form
+    ``(I - K Zo) Ps (I - K Zo)^T + K H_oo K^T + j I`` that pymc-extras evaluates (expand it with
+    ``K F_oo = M``); it costs O(m^2 k) instead of O(m^3).
     """
     m = P.shape[0]
     p = Zt.shape[0]
-    # F = sym(Z P Z^T + H) + j I over all p rows; tmp[:, :p] = P Z^T
-    for i in range(m):
-        for jj in range(p):
-            s = 0.0
-            for l in range(m):
-                s += P[i, l] * Zt[jj, l]
-            tmp[i, jj] = s
+    _sym_into(P, Ps)
+    _matmul(Ps, Zt.T, PZ)
     for i in range(p):
-        for jj in range(p):
-            s = Ht[i, jj]
+        for jj in range(i, p):
+            s = 0.5 * (Ht[i, jj] + Ht[jj, i])
             for l in range(m):
-                s += Zt[i, l] * tmp[l, jj]
-            F[i, jj] = s
-    for i in range(p):
-        for jj in range(i + 1, p):
-            s = 0.5 * (F[i, jj] + F[jj, i])
+                s += Zt[i, l] * PZ[l, jj]
             F[i, jj] = s
             F[jj, i] = s
         F[i, i] += jitter
-    # observed blocks
     for ii in range(k):
         i = obs[ii]
         for l in range(m):
             Zo[ii, l] = Zt[i, l]
-            M[l, ii] = tmp[l, i]
+            M[l, ii] = PZ[l, i]
         for jj in range(k):
-            Ho[ii, jj] = Ht[i, obs[jj]]
             L[ii, jj] = F[i, obs[jj]]  # F_oo, factored in place below
     if not _cholesky(L, L, k):
         return False, np.nan
     logdet = 0.0
     for i in range(k):
         logdet += 2.0 * np.log(L[i, i])
-    # K = M F_oo^{-1}, row by row
-    for i in range(m):
+    for i in range(m):  # K = M F_oo^{-1}, row by row
         for jj in range(k):
             K[i, jj] = M[i, jj]
         _cho_solve_vec(L, k, K[i], K[i])
-    # A = I - K Zo
+    if m > _SMALL:  # BLAS, then symmetrize
+        _matmul(K[:, :k], M[:, :k].T, Pf, -1.0, 0.0)
+        if jitter != 0.0:
+            _matmul(K[:, :k], K[:, :k].T, Pf, -jitter, 1.0)
+        for i in range(m):
+            for jj in range(i, m):
+                s = Ps[i, jj] + 0.5 * (Pf[i, jj] + Pf[jj, i])
+                Pf[i, jj] = s
+                Pf[jj, i] = s
+    else:
+        for i in range(m):
+            for jj in range(i, m):
+                s = Ps[i, jj]
+                for l in range(k):
+                    s -= K[i, l] * (M[jj, l] + jitter * K[jj, l])
+                Pf[i, jj] = s
+                Pf[jj, i] = s
+    for i in range(m):
+        Pf[i, i] += jitter
+    return True, logdet
+
+
+@numba.njit(cache=True)
+def _closed_loop(K, Zo, k, A):
+    """A = I - K[:, :k] Zo[:k] (the filtered-state map; the smoother's and the adjoint's L = T A)."""
+    m = A.shape[0]
     for i in range(m):
         for jj in range(m):
             s = 1.0 if i == jj else 0.0
             for l in range(k):
                 s -= K[i, l] * Zo[l, jj]
             A[i, jj] = s
-    # Pf = sym(A P A^T + K Ho K^T) + j I ; tmp <- A P
-    _matmul(A, P, tmp[:m, :m])
-    _matmul(tmp[:m, :m], A.T, Pf)
-    if k > 0:
-        # tmp[:, :k] <- K Ho
-        for i in range(m):
-            for jj in range(k):
-                s = 0.0
-                for l in range(k):
-                    s += K[i, l] * Ho[l, jj]
-                tmp[i, jj] = s
-        for i in range(m):
-            for jj in range(m):
-                s = 0.0
-                for l in range(k):
-                    s += tmp[i, l] * K[jj, l]
-                Pf[i, jj] += s
-    _sym_inplace(Pf)
-    for i in range(m):
-        Pf[i, i] += jitter
-    return True, logdet
 
 
 @numba.njit(cache=True)
@@ -346,60 +378,62 @@ def _predict_mean(af, ct, Tt, a_next):
 
 
 @numba.njit(cache=True)
-def _predict_cov(Pf, Tt, Rt, Qt, P_next, tmp, tmp2):
-    """P' = sym(T P_f T^T) + sym(R Q R^T)."""
+def _rqr(Rt, Qt, RQ, out):
+    """out = R sym(Q) R^T (exactly symmetric); ``RQ`` (m, r) is scratch."""
+    m, r = Rt.shape
+    for i in range(m):
+        for jj in range(r):
+            s = 0.0
+            for l in range(r):
+                s += Rt[i, l] * (Qt[l, jj] + Qt[jj, l])
+            RQ[i, jj] = 0.5 * s
+    for i in range(m):
+        for jj in range(i, m):
+            s = 0.0
+            for l in range(r):
+                s += RQ[i, l] * Rt[jj, l]
+            out[i, jj] = s
+            out[jj, i] = s
+
+
+@numba.njit(cache=True)
+def _predict_cov(Pf, Tt, RQR, P_next, W):
+    """P' = T P_f T^T + R sym(Q) R^T for a symmetric ``P_f`` (one triangle, mirrored); ``W`` scratch."""
     m = Pf.shape[0]
-    r = Qt.shape[0]
-    if m > _SMALL or r > _SMALL:
-        _matmul(Tt, Pf, tmp[:m, :m])
-        _matmul(tmp[:m, :m], Tt.T, P_next)
-        _matmul(Rt, Qt, tmp2[:m, :r])
-        _matmul(tmp2[:m, :r], Rt.T, tmp[:m, :m])
+    _matmul(Tt, Pf, W)
+    if m > _SMALL:
+        _matmul(W, Tt.T, P_next)
         for i in range(m):
-            for jj in range(m):
-                P_next[i, jj] += tmp[i, jj]
-    else:
-        for i in range(m):
-            for jj in range(m):
-                s = 0.0
-                for l in range(m):
-                    s += Tt[i, l] * Pf[l, jj]
-                tmp[i, jj] = s
-        for i in range(m):
-            for jj in range(r):
-                s = 0.0
-                for l in range(r):
-                    s += Rt[i, l] * Qt[l, jj]
-                tmp2[i, jj] = s
-        for i in range(m):
-            for jj in range(m):
-                s = 0.0
-                for l in range(m):
-                    s += tmp[i, l] * Tt[jj, l]
-                for l in range(r):
-                    s += tmp2[i, l] * Rt[jj, l]
+            for jj in range(i, m):
+                s = 0.5 * (P_next[i, jj] + P_next[jj, i]) + RQR[i, jj]
                 P_next[i, jj] = s
-    _sym_inplace(P_next)
+                P_next[jj, i] = s
+        return
+    for i in range(m):
+        for jj in range(i, m):
+            s = RQR[i, jj]
+            for l in range(m):
+                s += W[i, l] * Tt[jj, l]
+            P_next[i, jj] = s
+            P_next[jj, i] = s
 
 
 @numba.njit(cache=True)
 def _workspace(m, p, r):
-    q = max(m, p, r, 1)
+    """Work arrays of the measurement update: obs, Ps, PZ, Zo, M, L, K, w."""
     return (
         np.empty(p, dtype=np.int64),  # obs
+        np.empty((m, m)),  # Ps
+        np.empty((m, p)),  # PZ
         np.empty((p, m)),  # Zo
-        np.empty((p, p)),  # Ho
         np.empty((m, p)),  # M
         np.empty((p, p)),  # L
         np.empty((m, p)),  # K
         np.empty(p),  # w
-        np.empty((m, m)),  # A
-        np.empty((q, q)),  # tmp
-        np.empty((q, q)),  # tmp2
     )
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _ti(X, t):
     """Time index into a system array with a leading time axis of length 1 (static) or n."""
     return t if X.shape[0] > 1 else 0
@@ -422,6 +456,74 @@ def _same(X, Y):
 
 
 @numba.njit(cache=True)
+def _converged(P_new, P_old):
+    """Steady-state test: ``max|P_new - P_old| <= 1e-14 max|P_new|``."""
+    diff = 0.0
+    scale = 0.0
+    for i in range(P_new.shape[0]):
+        for j in range(P_new.shape[1]):
+            diff = max(diff, abs(P_new[i, j] - P_old[i, j]))
+            scale = max(scale, abs(P_new[i, j]))
+    return diff <= 1e-14 * scale
+
+
+@numba.njit(cache=True, inline="always")
+def _fully_observed(y, t, mv, use_mv):
+    for i in range(y.shape[1]):
+        if _missing(y[t, i], mv, use_mv):
+            return False
+    return True
+
+
+@numba.njit(cache=True)
+def _steady_run(t, y, c, d, Tt, Zt, mv, use_mv, logdet, L, K, Fss, Pfss, Pss, ll_obs, af, Pf, ap, Pp, v, F, w):
+    """Filter steps t, t+1, ... with the covariance recursion frozen at ``Pss`` (``F, L, K, P_f``
+    computed from it), until a step has a missing component.  Only the mean recursion runs;
+    the loop indexes the output arrays directly (no per-step views).  Returns (next t, sum of ll)."""
+    n, p = y.shape
+    m = Tt.shape[0]
+    const = -0.5 * (p * _LOG_2PI + logdet)
+    total = 0.0
+    while t < n:
+        if not _fully_observed(y, t, mv, use_mv):
+            break
+        ic = _ti(c, t)
+        idd = _ti(d, t)
+        for i in range(p):
+            s = y[t, i] - d[idd, i]
+            for l in range(m):
+                s -= Zt[i, l] * ap[t, l]
+            v[t, i] = s
+            w[i] = s
+        _cho_solve_vec(L, p, w, w)
+        quad = 0.0
+        for i in range(p):
+            quad += v[t, i] * w[i]
+        ll = const - 0.5 * quad
+        ll_obs[t] = ll
+        total += ll
+        for i in range(m):
+            s = ap[t, i]
+            for j in range(p):
+                s += K[i, j] * v[t, j]
+            af[t, i] = s
+        for i in range(m):
+            s = c[ic, i]
+            for l in range(m):
+                s += Tt[i, l] * af[t, l]
+            ap[t + 1, i] = s
+        for i in range(p):
+            for j in range(p):
+                F[t, i, j] = Fss[i, j]
+        for i in range(m):
+            for j in range(m):
+                Pf[t, i, j] = Pfss[i, j]
+                Pp[t + 1, i, j] = Pss[i, j]
+        t += 1
+    return t, total
+
+
+@numba.njit(cache=True)
 def kalman_filter_kernel(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv):
     """Forward filter for one series; float64 arrays, system matrices with a leading time axis.
 
@@ -434,270 +536,399 @@ def kalman_filter_kernel(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv):
     is observed and the predicted covariance has converged
     (``max|P_{t+1} - P_t| <= 1e-14 max|P_{t+1}|``), the covariance recursion is
     frozen at ``P_{t+1}``: one more full update computes F, K, P_f from it, and
-    later fully observed steps reuse them (only the mean recursion runs).  A step
-    with missing components leaves the steady state.
+    later fully observed steps reuse them (only the mean recursion runs, in
+    :func:`_steady_run`).  A step with missing components leaves the steady state.
     """
     n, p = y.shape
     m = a0.shape[0]
-    r = Q.shape[1]
-    ll_obs = np.full(n, np.nan)
-    af = np.full((n, m), np.nan)
-    Pf = np.full((n, m, m), np.nan)
-    ap = np.full((n + 1, m), np.nan)
-    Pp = np.full((n + 1, m, m), np.nan)
-    v = np.full((n, p), np.nan)
-    F = np.full((n, p, p), np.nan)
-    ap[0] = a0
-    Pp[0] = P0
-    obs, Zo, Ho, M, L, K, w, A, tmp, tmp2 = _workspace(m, p, r)
-    static = _static_cov(T, Z, R, H, Q)
-    steady = False  # covariance recursion frozen
-    cached = False  # F, L, K, Pf of the frozen covariance are in the work arrays
-    logdet = 0.0
-    total = 0.0
-    for t in range(n):
-        Zt = Z[_ti(Z, t)]
-        k = _observe(ap[t], y[t], d[_ti(d, t)], Zt, mv, use_mv, v[t], obs)
-        if k < p:
-            steady = False
-            cached = False
-        if not cached:
-            ok, logdet = _cov_update(Pp[t], Zt, H[_ti(H, t)], jitter, obs, k, F[t], Zo, Ho, M, L, K, A, Pf[t], tmp)
-            if not ok:
-                ll_obs[t] = -np.inf
-                return -np.inf, ll_obs, af, Pf, ap, Pp, v, F
-            cached = steady
-        else:
-            F[t] = F[t - 1]
-            Pf[t] = Pf[t - 1]
-        ll = _mean_update(ap[t], v[t], obs, k, logdet, L, K, w, af[t])
-        ll_obs[t] = ll
-        total += ll
-        _predict_mean(af[t], c[_ti(c, t)], T[_ti(T, t)], ap[t + 1])
-        if steady:
-            Pp[t + 1] = Pp[t]
-        else:
-            _predict_cov(Pf[t], T[_ti(T, t)], R[_ti(R, t)], Q[_ti(Q, t)], Pp[t + 1], tmp, tmp2)
-            if static and k == p:
-                diff = 0.0
-                scale = 0.0
-                for i in range(m):
-                    for j in range(m):
-                        diff = max(diff, abs(Pp[t + 1, i, j] - Pp[t, i, j]))
-                        scale = max(scale, abs(Pp[t + 1, i, j]))
-                steady = diff <= 1e-14 * scale
+    ll_obs = np.empty(n)
+    af = np.empty((n, m))
+    Pf = np.empty((n, m, m))
+    ap = np.empty((n + 1, m))
+    Pp = np.empty((n + 1, m, m))
+    v = np.empty((n, p))
+    F = np.empty((n, p, p))
+    total = _filter_into(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv, ll_obs, af, Pf, ap, Pp, v, F)
     return total, ll_obs, af, Pf, ap, Pp, v, F
 
 
 @numba.njit(cache=True)
-def _steady_adjoint_step(
-    t, a, v, w, af, Tt, Zt, A, K, Zo, Finv, Lss, k, abar, Pbar,
-    g_ll, g_llobs, g_af, g_Pf, g_v, g_F, has_ll, has_llobs, has_af, has_Pf, has_v, has_F,
-    gy, gc, gd, gT, gZ, Gs, Ss, Xs, Ms,
-    G, af_bar, vo_bar, Fo_bar, X_bar, Mo_bar, W1, S, a_bar_new, P_bar_new,
-):
-    """One backward step inside a steady stretch (static system, every component observed,
-    ``cov_jitter = 0``, covariance update bitwise the one of step t+1).
+def _filter_into(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv, ll_obs, af, Pf, ap, Pp, v, F):
+    """:func:`kalman_filter_kernel` writing into preallocated outputs; returns the log-likelihood."""
+    n, p = y.shape
+    m = a0.shape[0]
+    r = Q.shape[1]
+    ap[0] = a0
+    Pp[0] = P0
+    obs, Ps, PZ, Zo, M, L, K, w = _workspace(m, p, r)
+    W = np.empty((m, m))
+    RQ = np.empty((m, r))
+    RQR = np.empty((m, m))
+    static = _static_cov(T, Z, R, H, Q)
+    static_rq = R.shape[0] == 1 and Q.shape[0] == 1
+    if static_rq:
+        _rqr(R[0], Q[0], RQ, RQR)
+    steady = False  # P_{t} passed the convergence test at step t - 1
+    total = 0.0
+    t = 0
+    while t < n:
+        Zt = Z[_ti(Z, t)]
+        k = _observe(ap[t], y[t], d[_ti(d, t)], Zt, mv, use_mv, v[t], obs)
+        ok, logdet = _cov_update(Pp[t], Zt, H[_ti(H, t)], jitter, obs, k, Ps, PZ, F[t], Zo, M, L, K, Pf[t])
+        if not ok:  # F_oo not PD: -inf, NaN from here on
+            ll_obs[t] = -np.inf
+            ll_obs[t + 1:] = np.nan
+            af[t:] = np.nan
+            Pf[t:] = np.nan
+            ap[t + 1:] = np.nan
+            Pp[t + 1:] = np.nan
+            v[t + 1:] = np.nan
+            F[t + 1:] = np.nan
+            return -np.inf
+        ll = _mean_update(ap[t], v[t], obs, k, logdet, L, K, w, af[t])
+        ll_obs[t] = ll
+        total += ll
+        _predict_mean(af[t], c[_ti(c, t)], T[_ti(T, t)], ap[t + 1])
+        if steady and k == p:  # freeze the covariance recursion at P_t
+            Pp[t + 1] = Pp[t]
+            t, part = _steady_run(t + 1, y, c, d, T[0], Zt, mv, use_mv, logdet, L, K, F[t], Pf[t], Pp[t],
+                                  ll_obs, af, Pf, ap, Pp, v, F, w)
+            total += part
+            steady = False
+            continue
+        if not static_rq:
+            _rqr(R[_ti(R, t)], Q[_ti(Q, t)], RQ, RQR)
+        _predict_cov(Pf[t], T[_ti(T, t)], RQR, Pp[t + 1], W)
+        steady = static and k == p and _converged(Pp[t + 1], Pp[t])
+        t += 1
+    return total
 
-    With ``S = T^T G T + sym(Pf_bar_out)`` (G = sym(P'_bar)) the gain terms of the generic step
-    cancel: ``K_bar = 2 S (K H - A P Z^T) + a_f_bar v^T = a_f_bar v^T`` because ``K F = P Z^T``
-    (optimal gain).  So ``Mo_bar = a_f_bar w^T`` (w = F^{-1} v), ``Fo_bar = -ll_bar/2 (F^{-1} - w w^T)
-    - (K^T a_f_bar) w^T`` and the covariance cotangent recursion is
 
-        P_bar = L^T G L + A^T sym(Pf_bar_out) A + Z^T sym(F_bar) Z + Mo_bar Z,   L = T A.
-
-    The parameter cotangents of the covariance path are linear in (G, S, F_bar, Mo_bar) with
-    coefficients constant over the stretch: their sums ``Gs, Ss, Xs, Ms`` are accumulated here
-    and turned into T/R/Q/H/Z cotangents once by :func:`_steady_flush`.  The mean path
-    (a, v, y, d, c, and the a_f-dependent T and Z terms) is done per step, as in the generic step.
-    """
-    m = a.shape[0]
-    p = v.shape[0]
-    for i in range(m):
-        for j in range(m):
-            G[i, j] = 0.5 * (Pbar[i, j] + Pbar[j, i])
-            Gs[i, j] += G[i, j]
-    # mean path: a' = T a_f + c
-    for i in range(m):
-        gc[i] += abar[i]
-        s = g_af[t, i] if has_af else 0.0
-        for l in range(m):
-            s += Tt[l, i] * abar[l]
-        af_bar[i] = s
-        for j in range(m):
-            gT[i, j] += abar[i] * af[j]
-    ll_bar = 0.0
-    if has_ll:
-        ll_bar += g_ll[()]
-    if has_llobs:
-        ll_bar += g_llobs[t]
-    # u = K^T a_f_bar (stored in vo_bar first)
-    for i in range(k):
-        s = 0.0
-        for l in range(m):
-            s += K[l, i] * af_bar[l]
-        vo_bar[i] = s
-    # F_bar (p == k here: obs = 0..p-1); X_bar = sym(F_bar_out + Fo_bar)
-    for i in range(p):
-        for j in range(p):
-            Fo_bar[i, j] = -0.5 * ll_bar * (Finv[i, j] - w[i] * w[j]) - vo_bar[i] * w[j]
-            X_bar[i, j] = g_F[t, i, j] if has_F else 0.0
-    for i in range(p):
-        for j in range(p):
-            s = 0.5 * (Fo_bar[i, j] + Fo_bar[j, i] + X_bar[i, j] + X_bar[j, i])
-            W1[i, j] = s
-    for i in range(p):
-        for j in range(p):
-            X_bar[i, j] = W1[i, j]
-            Xs[i, j] += W1[i, j]
-    for i in range(m):
-        for j in range(p):
-            Mo_bar[i, j] = af_bar[i] * w[j]
-            Ms[i, j] += Mo_bar[i, j]
-    # P_bar = L^T G L (+ A^T sym(g_Pf) A) + Z^T X_bar Z + Mo_bar Z
-    _matmul(G, Lss, S)  # S <- G L
-    _matmul(Lss.T, S, P_bar_new)
-    if has_Pf:
-        for i in range(m):
-            for j in range(m):
-                W1[i, j] = 0.5 * (g_Pf[t, i, j] + g_Pf[t, j, i])
-                Ss[i, j] += W1[i, j]
-        _matmul(W1[:m, :m], A, S)
-        _matmul(A.T, S, G)  # (G no longer needed)
-        for i in range(m):
-            for j in range(m):
-                P_bar_new[i, j] += G[i, j]
-    for i in range(p):  # W1[:p, :m] = X_bar Z
-        for j in range(m):
-            s = 0.0
-            for l in range(p):
-                s += X_bar[i, l] * Zt[l, j]
-            W1[i, j] = s
-    for i in range(m):
-        for j in range(m):
-            s = 0.0
-            for l in range(p):
-                s += Zt[l, i] * W1[l, j] + Mo_bar[i, l] * Zt[l, j]
-            P_bar_new[i, j] += s
-    # v = y - d - Z a: vo_bar = u - ll_bar w (+ g_v)
-    for i in range(p):
-        vb = vo_bar[i] - ll_bar * w[i]
-        if has_v:
-            vb += g_v[t, i]
-        vo_bar[i] = vb
-        gy[t, i] += vb
-        gd[i] -= vb
-        for j in range(m):
-            gZ[i, j] -= vb * a[j]
-    for j in range(m):
-        s = af_bar[j]
-        for i in range(p):
-            s -= Zt[i, j] * vo_bar[i]
-        a_bar_new[j] = s
+@numba.njit(cache=True, inline="always")
+def _row_same(X, t, Y):
+    """Bitwise equality of ``X[t]`` and ``Y`` (no view)."""
+    for i in range(Y.shape[0]):
+        for j in range(Y.shape[1]):
+            if X[t, i, j] != Y[i, j]:
+                return False
+    return True
 
 
 @numba.njit(cache=True)
-def _steady_flush(Tt, Zt, Rt, Qt, P, Pf, A, K, k, Gs, Ss, Xs, Ms, gT, gZ, gR, gH, gQ, W1, W2):
+def _congruence(X, G, W, out, beta):
+    """out = X^T G X + beta out for square X, G (``W`` scratch); loops up to ``_SMALL``, then BLAS."""
+    m = X.shape[0]
+    if m > _SMALL:
+        _matmul(G, X, W)
+        _matmul(X.T, W, out, 1.0, beta)
+        return
+    for i in range(m):
+        for j in range(m):
+            s = 0.0
+            for l in range(m):
+                s += G[i, l] * X[l, j]
+            W[i, j] = s
+    for i in range(m):
+        for j in range(m):
+            s = beta * out[i, j] if beta != 0.0 else 0.0
+            for l in range(m):
+                s += X[l, i] * W[l, j]
+            out[i, j] = s
+
+
+@numba.njit(cache=True)
+def _predict_cov_vjp(G, Tt, Pf, gT, Pf_bar, beta, GT):
+    """Reverse of ``P' = T P_f T^T + ...`` for ``G = sym(P'_bar)`` (G and P_f symmetric):
+    ``P_f_bar = T^T G T + beta P_f_bar``, ``T_bar += 2 G T P_f``.  ``GT`` (m, m): scratch."""
+    _matmul(G, Tt, GT)
+    _matmul(Tt.T, GT, Pf_bar, 1.0, beta)
+    _matmul(GT, Pf, gT, 2.0, 1.0)
+
+
+@numba.njit(cache=True)
+def _rq_vjp(G, Rt, Qt, gR, gQ):
+    """Reverse of ``P' = ... + R sym(Q) R^T`` for ``G = sym(P'_bar)``: ``R_bar += G R (Q + Q^T)``,
+    ``Q_bar += R^T G R``.  Linear in G: static R, Q take the sum of G over all steps, once."""
+    m, r = Rt.shape
+    GR = np.empty((m, r))
+    _matmul(G, Rt, GR)
+    _matmul(GR, Qt + Qt.T, gR, 1.0, 1.0)
+    _matmul(Rt.T, GR, gQ, 1.0, 1.0)
+
+
+@numba.njit(cache=True)
+def _steady_flush(Tt, Zt, P, Pf, A, K, Gs, Ss, Xs, Ms, gT, gZ, gH, Grq):
     """Add the covariance-path parameter cotangents of a steady stretch (sums from
-    :func:`_steady_adjoint_step`) and reset the sums.  Same formulas as the generic step:
-    T_bar += 2 G T Pf; R_bar += G R (Q + Q^T); Q_bar += R^T G R; with S = T^T G T + sym(Pf_bar_out):
-    A_bar = S A (P + P^T), Z_bar -= K^T A_bar, H_bar += K^T S K; and H_bar += F_bar,
-    Z_bar += F_bar Z (P + P^T) + Mo_bar^T P."""
+    :func:`_steady_adjoint_run`): the predict reverse with ``G = Gs`` (its R/Q part through
+    ``Grq += Gs``, applied once by the caller); with
+    ``S = T^T Gs T + Ss``: ``A_bar = S A (P + P^T)``, ``Z_bar -= K^T A_bar``, ``H_bar += K^T S K``;
+    and ``H_bar += Xs``, ``Z_bar += Xs Z (P + P^T) + Ms^T P``.  (The generic step's terms, summed
+    with the gain terms cancelled as in :func:`_steady_adjoint_run`.)"""
     m = Tt.shape[0]
     p = Zt.shape[0]
-    r = Qt.shape[0]
-    _matmul(Gs, Tt, W1[:m, :m])  # W1 = G T
-    for i in range(m):  # Ss += T^T (G T)
-        for j in range(m):
-            s = 0.0
-            for l in range(m):
-                s += Tt[l, i] * W1[l, j]
-            Ss[i, j] += s
-    _matmul(W1[:m, :m], Pf, W2[:m, :m])
-    for i in range(m):
-        for j in range(m):
-            gT[i, j] += 2.0 * W2[i, j]
-    for i in range(m):  # W1[:, :r] = G R
-        for j in range(r):
-            s = 0.0
-            for l in range(m):
-                s += Gs[i, l] * Rt[l, j]
-            W1[i, j] = s
-    for i in range(m):
-        for j in range(r):
-            s = 0.0
-            for l in range(r):
-                s += W1[i, l] * (Qt[l, j] + Qt[j, l])
-            gR[i, j] += s
-    for i in range(r):
-        for j in range(r):
-            s = 0.0
-            for l in range(m):
-                s += Rt[l, i] * W1[l, j]
-            gQ[i, j] += s
-    _matmul(Ss, A, W1[:m, :m])  # W1 = S A
-    for i in range(m):  # W2 = A_bar = (S A)(P + P^T)
-        for j in range(m):
-            s = 0.0
-            for l in range(m):
-                s += W1[i, l] * (P[l, j] + P[j, l])
-            W2[i, j] = s
-    for i in range(k):  # Z_bar -= K^T A_bar
-        for j in range(m):
-            s = 0.0
-            for l in range(m):
-                s += K[l, i] * W2[l, j]
-            gZ[i, j] -= s
-    _matmul(Ss, K[:, :k], W1[:m, :k])  # W1 = S K
-    for i in range(k):
-        for j in range(k):
-            s = 0.0
-            for l in range(m):
-                s += K[l, i] * W1[l, j]
-            gH[i, j] += s
+    _predict_cov_vjp(Gs, Tt, Pf, gT, Ss, 1.0, np.empty((m, m)))
+    Grq += Gs
+    Psum = P + P.T
+    SA = np.empty((m, m))
+    _matmul(Ss, A, SA)
+    A_bar = np.empty((m, m))
+    _matmul(SA, Psum, A_bar)
+    _matmul(K.T, A_bar, gZ, -1.0, 1.0)
+    SK = np.empty((m, p))
+    _matmul(Ss, K, SK)
+    _matmul(K.T, SK, gH, 1.0, 1.0)
     for i in range(p):
         for j in range(p):
             gH[i, j] += Xs[i, j]
-    _matmul(Xs, Zt, W1[:p, :m])
-    for i in range(p):
+    XZ = np.empty((p, m))
+    _matmul(Xs, Zt, XZ)
+    _matmul(XZ, Psum, gZ, 1.0, 1.0)
+    _matmul(Ms.T, P, gZ, 1.0, 1.0)
+
+
+@numba.njit(cache=True, inline="always")
+def _carry_cov(P_bar_new, t, g_Pp, has_Pp, Pbar):
+    """Covariance cotangent entering step t-1: ``sym(P_bar)`` plus that of ``predicted_cov[t]``."""
+    m = Pbar.shape[0]
+    for i in range(m):
         for j in range(m):
-            s = 0.0
+            Pbar[i, j] = 0.5 * (P_bar_new[i, j] + P_bar_new[j, i]) + (g_Pp[t, i, j] if has_Pp else 0.0)
+
+
+_WINDOW_TOL = 1e-18  # ||L^K||_F^2 below which a steady stretch's far steps skip the covariance recursion
+_MAX_DOUBLINGS = 20
+
+
+@numba.njit(cache=True)
+def _doubling_window(Lss, n_steps):
+    """Powers ``L^T, (L^T)^2, (L^T)^4, ...`` of the steady closed-loop map until
+    ``||L^K||_F^2 <= _WINDOW_TOL``.  Returns ``(powers, K)``; ``K = 0`` if that needs ``K >= n_steps``
+    (short stretch, or ``L`` not stable enough): then the stretch runs the full recursion."""
+    m = Lss.shape[0]
+    powers = np.empty((_MAX_DOUBLINGS + 1, m, m))
+    powers[0] = Lss.T
+    for k in range(_MAX_DOUBLINGS + 1):
+        if (1 << k) >= n_steps:
+            return powers, 0
+        nrm = 0.0
+        for i in range(m):
+            for j in range(m):
+                nrm += powers[k, i, j] * powers[k, i, j]
+        if not np.isfinite(nrm):
+            return powers, 0
+        if nrm <= _WINDOW_TOL:
+            return powers[:k], 1 << k
+        if k < _MAX_DOUBLINGS:
+            _matmul(powers[k], powers[k], powers[k + 1])
+    return powers, 0
+
+
+@numba.njit(cache=True)
+def _lyapunov_sum(powers, X):
+    """``sum_{j < K} (L^T)^j X L^j`` by doubling with the stored powers (``K = 2^len(powers)``);
+    equals the Lyapunov solution ``G = L^T G L + X`` to ``||L^K||^2`` relative."""
+    m = X.shape[0]
+    G = X.copy()
+    W = np.empty((m, m))
+    Gn = np.empty((m, m))
+    for k in range(powers.shape[0]):
+        # G <- G + P G P^T with P = (L^T)^(2^k)
+        _matmul(powers[k], G, W)
+        _matmul(W, powers[k].T, Gn)
+        for i in range(m):
+            for j in range(m):
+                G[i, j] += Gn[i, j]
+    return G
+
+
+@numba.njit(cache=True)
+def _steady_adjoint_run(
+    t, y, c, d, Tt, Zt, mv, use_mv, ap, Pp, P_cached, L, K, Finv, A, Lss, Pf,
+    g_ll, g_llobs, g_af, g_Pf, g_ap, g_Pp, g_v, g_F,
+    has_llobs, has_af, has_Pf, has_ap, has_Pp, has_v, has_F,
+    gy, gc, gd, gT, gZ, gH, Grq, abar, Pbar,
+):
+    """Backward steps t, t-1, ..., s0 of a steady stretch: static system, ``cov_jitter = 0``, every
+    component observed and ``P_s`` bitwise ``P_cached``, whose update (``L, K, F^{-1}, A = I - K Z,
+    Lss = T A, P_f``) is in the work arrays.  Returns ``s0 - 1``, the next step to process.
+
+    With ``S = T^T G T + sym(Pf_bar_out)`` (G = sym(P'_bar)) the gain terms of the generic step
+    cancel: ``K_bar = -S M + a_f_bar v^T`` and ``M_bar = -S K + K_bar F^{-1}`` leave, after
+    symmetrization, ``A^T S A`` because ``K F = M`` (optimal gain).  So ``Mo_bar = a_f_bar w^T``
+    (w = F^{-1} v), ``X = sym(F_bar)``, ``F_bar = -ll_bar/2 (F^{-1} - w w^T) - (K^T a_f_bar) w^T (+ F_bar_out)``
+    and the covariance cotangent obeys ``P_bar_s = Lss^T sym(P_bar_{s+1}) Lss + C_s`` with
+
+        C_s = A^T sym(Pf_bar_out) A + Z^T X Z + sym(Mo_bar Z) + sym(P_bar_out[s]).
+
+    The covariance-path parameter cotangents are linear in ``Gs = sum_s sym(P_bar_{s+1})`` and in
+    the sums of ``X``, ``Mo_bar`` and ``sym(Pf_bar_out)``; :func:`_steady_flush` applies them once.
+    Telescoping the recursion gives ``Gs = Lss^T Gs Lss + (sum C + E - P_bar_s0)`` (E = entering
+    cotangent), one Lyapunov equation, so on a long stretch only the ``K`` steps nearest ``s0``
+    (where ``||Lss^K||_F^2 <= 1e-18``) run the O(m^3) recursion, for ``P_bar_s0``; the others do only
+    the O(m p + m^2) mean path (a, v, y, d, c and the a_f-dependent T and Z terms) and the sums.
+    Short stretches, or a closed loop without that decay, run the recursion on every step.
+    """
+    p = y.shape[1]
+    m = Tt.shape[0]
+    s0 = t
+    while s0 >= 0 and _fully_observed(y, s0, mv, use_mv) and _row_same(Pp, s0, P_cached):
+        s0 -= 1
+    s0 += 1
+    powers, window = _doubling_window(Lss, t - s0 + 1)
+    exact = window == 0  # full recursion on every step, Gs summed directly
+    v = np.empty(p)
+    w = np.empty(p)
+    u = np.empty(p)
+    af = np.empty(m)
+    af_bar = np.empty(m)
+    a_bar_new = np.empty(m)
+    G = np.empty((m, m))
+    S = np.empty((m, m))
+    W1 = np.empty((m, m))
+    P_bar_new = np.empty((m, m))
+    E = np.empty((m, m))
+    X_bar = np.empty((p, p))
+    W2 = np.empty((p, m))
+    Gs = np.zeros((m, m))
+    Ss = np.zeros((m, m))
+    Xs = np.zeros((p, p))
+    Ms = np.zeros((m, p))
+    Cs = np.zeros((m, m))  # sum of sym(P_bar_out[s])
+    _sym_into(Pbar, E)
+    for s in range(t, s0 - 1, -1):
+        recursion = exact or s < s0 + window
+        if recursion and not exact and s == s0 + window - 1:
+            Pbar[:, :] = 0.0  # far steps' contribution to P_bar_s0 is below ||Lss^K||^2: dropped
+        ic = _ti(c, s)
+        idd = _ti(d, s)
+        # recompute v = y - d - Z a, w = F^{-1} v, a_f = a + K v
+        for i in range(p):
+            x = y[s, i] - d[idd, i]
             for l in range(m):
-                s += W1[i, l] * (P[l, j] + P[j, l]) + Ms[l, i] * P[l, j]
-            gZ[i, j] += s
-    Gs[:, :] = 0.0
-    Ss[:, :] = 0.0
-    Xs[:, :] = 0.0
-    Ms[:, :] = 0.0
+                x -= Zt[i, l] * ap[s, l]
+            v[i] = x
+            w[i] = x
+        _cho_solve_vec(L, p, w, w)
+        for i in range(m):
+            x = ap[s, i]
+            for j in range(p):
+                x += K[i, j] * v[j]
+            af[i] = x
+        # mean path: a' = T a_f + c
+        for i in range(m):
+            gc[ic, i] += abar[i]
+            x = g_af[s, i] if has_af else 0.0
+            for l in range(m):
+                x += Tt[l, i] * abar[l]
+            af_bar[i] = x
+            for j in range(m):
+                gT[i, j] += abar[i] * af[j]
+        ll_bar = g_ll + (g_llobs[s] if has_llobs else 0.0)
+        for i in range(p):  # u = K^T a_f_bar
+            x = 0.0
+            for l in range(m):
+                x += K[l, i] * af_bar[l]
+            u[i] = x
+        for i in range(p):  # X = sym(F_bar)
+            for j in range(i, p):
+                x = -0.5 * ll_bar * (Finv[i, j] - w[i] * w[j]) - 0.5 * (u[i] * w[j] + u[j] * w[i])
+                if has_F:
+                    x += 0.5 * (g_F[s, i, j] + g_F[s, j, i])
+                X_bar[i, j] = x
+                X_bar[j, i] = x
+                Xs[i, j] += x
+                if j != i:
+                    Xs[j, i] += x
+        for i in range(m):  # Mo_bar = a_f_bar w^T
+            for j in range(p):
+                Ms[i, j] += af_bar[i] * w[j]
+        if has_Pf:
+            for i in range(m):
+                for j in range(m):
+                    W1[i, j] = 0.5 * (g_Pf[s, i, j] + g_Pf[s, j, i])
+                    Ss[i, j] += W1[i, j]
+        if has_Pp:
+            for i in range(m):
+                for j in range(m):
+                    Cs[i, j] += 0.5 * (g_Pp[s, i, j] + g_Pp[s, j, i])
+        # v = y - d - Z a: v_bar = u - ll_bar w (+ g_v); a_bar = a_f_bar - Z^T v_bar
+        for i in range(p):
+            vb = u[i] - ll_bar * w[i]
+            if has_v:
+                vb += g_v[s, i]
+            u[i] = vb
+            gy[s, i] += vb
+            gd[idd, i] -= vb
+            for j in range(m):
+                gZ[i, j] -= vb * ap[s, j]
+        for j in range(m):
+            x = af_bar[j]
+            for i in range(p):
+                x -= Zt[i, j] * u[i]
+            abar[j] = x + (g_ap[s, j] if has_ap else 0.0)
+        if not recursion:
+            continue
+        # P_bar = Lss^T G Lss + A^T sym(Pf_bar_out) A + Z^T X Z + Mo_bar Z  (symmetrized by _carry)
+        _sym_into(Pbar, G)
+        if exact:
+            for i in range(m):
+                for j in range(m):
+                    Gs[i, j] += G[i, j]
+        _congruence(Lss, G, S, P_bar_new, 0.0)
+        if has_Pf:
+            _congruence(A, W1, S, P_bar_new, 1.0)
+        _matmul(X_bar, Zt, W2)
+        for i in range(m):
+            for j in range(m):
+                x = 0.0
+                for l in range(p):
+                    x += Zt[l, i] * W2[l, j] + af_bar[i] * w[l] * Zt[l, j]
+                P_bar_new[i, j] += x
+        _carry_cov(P_bar_new, s, g_Pp, has_Pp, Pbar)
+    if not exact:
+        # Gs = L^T Gs L + (sum C + E - P_bar_s0), sum C = Z^T Xs Z + sym(Ms Z) + A^T Ss A + Cs
+        _matmul(Xs, Zt, W2)
+        _matmul(Zt.T, W2, G)
+        for i in range(m):
+            for j in range(m):
+                x = 0.0
+                for l in range(p):
+                    x += Ms[i, l] * Zt[l, j] + Ms[j, l] * Zt[l, i]
+                G[i, j] += 0.5 * x + Cs[i, j] + E[i, j] - 0.5 * (Pbar[i, j] + Pbar[j, i])
+        if has_Pf:
+            _congruence(A, Ss, S, G, 1.0)
+        Gs = _lyapunov_sum(powers, G)
+    _steady_flush(Tt, Zt, P_cached, Pf, A, K, Gs, Ss, Xs, Ms, gT, gZ, gH, Grq)
+    return s0 - 1
 
 
 @numba.njit(cache=True)
 def kalman_adjoint_kernel(
     y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv, ap, Pp,
     g_ll, g_llobs, g_af, g_Pf, g_ap, g_Pp, g_v, g_F,
-    has_ll, has_llobs, has_af, has_Pf, has_ap, has_Pp, has_v, has_F,
+    has_llobs, has_af, has_Pf, has_ap, has_Pp, has_v, has_F,
+    gy, ga0, gP0, gc, gd, gT, gZ, gR, gH, gQ,
 ):
     """Reverse-mode adjoint of :func:`kalman_filter_kernel`.
 
     ``ap``/``Pp`` are the forward ``predicted_state``/``predicted_cov``; each
-    step's update is recomputed from them.  ``g_*`` are the output cotangents
-    (``has_*`` False: disconnected, array ignored).  Returns the cotangents of
-    ``(y, a0, P0, c, d, T, Z, R, H, Q)`` in their shapes (time-summed for static
-    matrices); all NaN if the forward pass failed.
+    step's update is recomputed from them.  ``g_ll`` is the (float) cotangent of
+    ``loglik``, the other ``g_*`` are output cotangent arrays (``has_*`` False:
+    disconnected, array ignored).  Writes the cotangents of
+    ``(y, a0, P0, c, d, T, Z, R, H, Q)`` into ``gy ... gQ`` (their shapes;
+    time-summed for static matrices); all NaN if the forward pass failed.
+
+    Steady stretches (see :func:`_steady_adjoint_run`) take a cheaper path when
+    ``cov_jitter = 0``; every other step runs the generic reverse below.
     """
     n, p = y.shape
     m = a0.shape[0]
     r = Q.shape[1]
-    gy = np.zeros_like(y)
-    gc = np.zeros_like(c)
-    gd = np.zeros_like(d)
-    gT = np.zeros_like(T)
-    gZ = np.zeros_like(Z)
-    gR = np.zeros_like(R)
-    gH = np.zeros_like(H)
-    gQ = np.zeros_like(Q)
-    obs, Zo, Ho, M, L, K, w, A, tmp, tmp2 = _workspace(m, p, r)
-    q = max(m, p, r, 1)
+    for out in (gy, gc, gd, gP0):
+        out[:] = 0.0
+    for out in (gT, gZ, gR, gH, gQ):
+        out[:] = 0.0
+    obs, Ps, PZ, Zo, M, L, K, w = _workspace(m, p, r)
     v = np.empty(p)
     F = np.empty((p, p))
     af = np.empty(m)
@@ -712,258 +943,130 @@ def kalman_adjoint_kernel(
     S = np.empty((m, m))
     Pf_bar = np.empty((m, m))
     af_bar = np.empty(m)
-    A_bar = np.empty((m, m))
     K_bar = np.empty((m, p))
+    M_bar = np.empty((m, p))
     Finv = np.empty((p, p))
-    Fo_bar = np.empty((p, p))
     X_bar = np.empty((p, p))
+    XZ = np.empty((p, m))
     vo_bar = np.empty(p)
-    Mo_bar = np.empty((m, p))
     a_bar_new = np.empty(m)
     P_bar_new = np.empty((m, m))
-    W1 = np.empty((q, q))
-    static = _static_cov(T, Z, R, H, Q)
-    cached_full = False
-    P_cached = np.empty((m, m))
-    Psym = np.empty((m, m))
-    logdet = 0.0
-    # steady-state fast path (see _steady_adjoint_step): L = T A and the sums of the stretch
-    fast = jitter == 0.0 and static
+    A = np.empty((m, m))
     Lss = np.empty((m, m))
-    Gs = np.zeros((m, m))
-    Ss = np.zeros((m, m))
-    Xs = np.zeros((p, p))
-    Ms = np.zeros((m, p))
-    n_acc = 0
-    for t in range(n - 1, -1, -1):
+    P_cached = np.empty((m, m))
+    static_rq = R.shape[0] == 1 and Q.shape[0] == 1
+    Grq = np.zeros((m, m))  # sum of G over the steps, for static R and Q
+    fast = jitter == 0.0 and _static_cov(T, Z, R, H, Q)
+    cached = False  # the work arrays hold the update of P_cached, fully observed (fast only)
+    t = n - 1
+    while t >= 0:
+        if cached and _fully_observed(y, t, mv, use_mv) and _row_same(Pp, t, P_cached):
+            t = _steady_adjoint_run(
+                t, y, c, d, T[0], Z[0], mv, use_mv, ap, Pp, P_cached, L, K, Finv, A, Lss, Pf,
+                g_ll, g_llobs, g_af, g_Pf, g_ap, g_Pp, g_v, g_F,
+                has_llobs, has_af, has_Pf, has_ap, has_Pp, has_v, has_F,
+                gy, gc, gd, gT[0], gZ[0], gH[0], Grq, abar, Pbar,
+            )
+            continue
         it_c, it_d, it_T, it_Z = _ti(c, t), _ti(d, t), _ti(T, t), _ti(Z, t)
         it_R, it_H, it_Q = _ti(R, t), _ti(H, t), _ti(Q, t)
-        Tt, Zt, Rt, Ht, Qt = T[it_T], Z[it_Z], R[it_R], H[it_H], Q[it_Q]
+        Tt, Zt = T[it_T], Z[it_Z]
         a = ap[t]
-        P = Pp[t]
         k = _observe(a, y[t], d[it_d], Zt, mv, use_mv, v, obs)
-        # recompute the covariance update unless it is bitwise the one of step t+1
-        reuse = static and k == p and cached_full and _same(P, P_cached)
-        if not reuse:
-            if n_acc > 0:  # leave a steady stretch: its parameter cotangents, once
-                _steady_flush(T[0], Z[0], R[0], Q[0], P_cached, Pf, A, K, p, Gs, Ss, Xs, Ms,
-                              gT[0], gZ[0], gR[0], gH[0], gQ[0], W1, tmp2)
-                n_acc = 0
-            ok, logdet = _cov_update(P, Zt, Ht, jitter, obs, k, F, Zo, Ho, M, L, K, A, Pf, tmp)
-            cached_full = k == p
-            P_cached[:] = P
-            if ok:
-                _cho_inverse(L, k, Finv)
-                if fast and cached_full:
-                    _matmul(Tt, A, Lss)
-        else:
-            ok = True
-        if ok:
-            _mean_update(a, v, obs, k, logdet, L, K, w, af)
+        ok, logdet = _cov_update(Pp[t], Zt, H[it_H], jitter, obs, k, Ps, PZ, F, Zo, M, L, K, Pf)
         if not ok:
-            return (np.full_like(y, np.nan), np.full_like(a0, np.nan), np.full_like(P0, np.nan),
-                    np.full_like(c, np.nan), np.full_like(d, np.nan), np.full_like(T, np.nan),
-                    np.full_like(Z, np.nan), np.full_like(R, np.nan), np.full_like(H, np.nan),
-                    np.full_like(Q, np.nan))
-        if reuse and fast:
-            _steady_adjoint_step(
-                t, a, v, w, af, Tt, Zt, A, K, Zo, Finv, Lss, k, abar, Pbar,
-                g_ll, g_llobs, g_af, g_Pf, g_v, g_F, has_ll, has_llobs, has_af, has_Pf, has_v, has_F,
-                gy, gc[0], gd[0], gT[0], gZ[0], Gs, Ss, Xs, Ms,
-                G, af_bar, vo_bar, Fo_bar, X_bar, Mo_bar, W1, S, a_bar_new, P_bar_new,
-            )
-            n_acc += 1
-            for i in range(m):
-                abar[i] = a_bar_new[i]
-                if has_ap:
-                    abar[i] += g_ap[t, i]
-                for jj in range(m):
-                    Pbar[i, jj] = P_bar_new[i, jj]
-                    if has_Pp:
-                        Pbar[i, jj] += g_Pp[t, i, jj]
-            continue
-        # --- predict: a' = T a_f + c ; P' = sym(T Pf T^T) + sym(R Q R^T) ---
-        # G = sym(P'_bar); Pf_bar = T^T G T; T_bar += 2 G T Pf (G, Pf symmetric);
-        # R_bar += G R (Q + Q^T); Q_bar += R^T G R; c_bar += a'_bar; T_bar += a'_bar a_f^T;
-        # a_f_bar = T^T a'_bar
-        for i in range(m):
-            for jj in range(m):
-                G[i, jj] = 0.5 * (Pbar[i, jj] + Pbar[jj, i])
-        _matmul(G, Tt, W1[:m, :m])  # W1 = G T
-        _matmul(Tt.T, W1[:m, :m], Pf_bar)  # Pf_bar = T^T (G T)
-        _matmul(W1[:m, :m], Pf, S)  # T_bar += 2 (G T) Pf + a'_bar a_f^T  (S: scratch here)
-        for i in range(m):
-            for jj in range(m):
-                gT[it_T, i, jj] += 2.0 * S[i, jj] + abar[i] * af[jj]
-        for i in range(m):  # W1[:, :r] = G R
-            for jj in range(r):
-                s = 0.0
-                for l in range(m):
-                    s += G[i, l] * Rt[l, jj]
-                W1[i, jj] = s
-        for i in range(m):  # R_bar += (G R)(Q + Q^T)
-            for jj in range(r):
-                s = 0.0
-                for l in range(r):
-                    s += W1[i, l] * (Qt[l, jj] + Qt[jj, l])
-                gR[it_R, i, jj] += s
-        for i in range(r):  # Q_bar += R^T (G R)
-            for jj in range(r):
-                s = 0.0
-                for l in range(m):
-                    s += Rt[l, i] * W1[l, jj]
-                gQ[it_Q, i, jj] += s
-        for i in range(m):
+            for out in (gy, gc, gd, gP0):
+                out[:] = np.nan
+            for out in (gT, gZ, gR, gH, gQ):
+                out[:] = np.nan
+            ga0[:] = np.nan
+            return
+        _cho_inverse(L, k, Finv)
+        _mean_update(a, v, obs, k, logdet, L, K, w, af)
+        # --- predict: a' = T a_f + c ; P' = T Pf T^T + R sym(Q) R^T ---
+        _sym_into(Pbar, G)
+        _predict_cov_vjp(G, Tt, Pf, gT[it_T], Pf_bar, 0.0, S)
+        if static_rq:
+            Grq += G
+        else:
+            _rq_vjp(G, R[it_R], Q[it_Q], gR[it_R], gQ[it_Q])
+        for i in range(m):  # c_bar += a'_bar; T_bar += a'_bar a_f^T; a_f_bar = T^T a'_bar
             gc[it_c, i] += abar[i]
-            s = 0.0
+            s = g_af[t, i] if has_af else 0.0
             for l in range(m):
                 s += Tt[l, i] * abar[l]
+                gT[it_T, i, l] += abar[i] * af[l]
             af_bar[i] = s
-        if has_af:
-            for i in range(m):
-                af_bar[i] += g_af[t, i]
         if has_Pf:
             for i in range(m):
                 for jj in range(m):
                     Pf_bar[i, jj] += g_Pf[t, i, jj]
-        # --- Pf = sym(A P A^T + K Ho K^T) + j I ; S = sym(Pf_bar) ---
-        # A_bar = S A (P + P^T); P_bar = A^T S A; K_bar = S K (Ho + Ho^T); Ho_bar = K^T S K
+        # --- Pf = Ps - K M^T - j K K^T + j I; S = sym(Pf_bar) ---
+        # Ps_bar = S; K_bar = -S M - 2 j S K + a_f_bar v_o^T; M_bar = -S K
+        _sym_into(Pf_bar, S)
+        _matmul(S, K[:, :k], M_bar[:, :k], -1.0, 0.0)
+        _matmul(S, M[:, :k], K_bar[:, :k], -1.0, 0.0)
         for i in range(m):
-            for jj in range(m):
-                S[i, jj] = 0.5 * (Pf_bar[i, jj] + Pf_bar[jj, i])
-        _matmul(S, A, W1[:m, :m])  # W1 = S A
-        for i in range(m):
-            for jj in range(m):
-                Psym[i, jj] = P[i, jj] + P[jj, i]
-        _matmul(W1[:m, :m], Psym, A_bar)  # A_bar = (S A)(P + P^T)
-        _matmul(A.T, W1[:m, :m], P_bar_new)  # P_bar_new = A^T (S A)
-        for i in range(m):  # W1[:, :k] = S K
             for jj in range(k):
-                s = 0.0
-                for l in range(m):
-                    s += S[i, l] * K[l, jj]
-                W1[i, jj] = s
-        for i in range(m):  # K_bar = (S K)(Ho + Ho^T) - A_bar Zo^T + af_bar v_o^T
-            for jj in range(k):
-                s = 0.0
-                for l in range(k):
-                    s += W1[i, l] * (Ho[l, jj] + Ho[jj, l])
-                for l in range(m):
-                    s -= A_bar[i, l] * Zo[jj, l]
-                K_bar[i, jj] = s + af_bar[i] * v[obs[jj]]
-        for i in range(k):  # Ho_bar = K^T (S K) -> H[obs, obs]
-            for jj in range(k):
-                s = 0.0
-                for l in range(m):
-                    s += K[l, i] * W1[l, jj]
-                gH[it_H, obs[i], obs[jj]] += s
-        for i in range(k):  # A = I - K Zo: Zo_bar -= K^T A_bar
-            for jj in range(m):
-                s = 0.0
-                for l in range(m):
-                    s += K[l, i] * A_bar[l, jj]
-                gZ[it_Z, obs[i], jj] -= s
-        # --- a_f = a + K v_o: a_bar = af_bar; v_o_bar = K^T af_bar ---
-        for i in range(m):
-            a_bar_new[i] = af_bar[i]
-        ll_bar = 0.0
-        if has_ll:
-            ll_bar += g_ll[()]
-        if has_llobs:
-            ll_bar += g_llobs[t]
-        for i in range(k):
+                K_bar[i, jj] += af_bar[i] * v[obs[jj]] + 2.0 * jitter * M_bar[i, jj]
+        # --- a_f = a + K v_o; ll = -(log|F_oo| + v_o^T F_oo^{-1} v_o)/2 (+ const) ---
+        ll_bar = g_ll + (g_llobs[t] if has_llobs else 0.0)
+        for i in range(k):  # v_o_bar = K^T a_f_bar - ll_bar w (+ g_v)
             s = 0.0
             for l in range(m):
                 s += K[l, i] * af_bar[l]
-            # ll = -(log|F| + v^T F^{-1} v)/2: v_bar -= ll_bar F^{-1} v
-            vo_bar[i] = s - ll_bar * w[i]
-            if has_v:
-                vo_bar[i] += g_v[t, obs[i]]
-        # Fo_bar = -ll_bar/2 (F^{-1} - w w^T) - K^T K_bar F^{-1};  Mo_bar = K_bar F^{-1}
-        for i in range(m):
+            vo_bar[i] = s - ll_bar * w[i] + (g_v[t, obs[i]] if has_v else 0.0)
+        # --- K = M F_oo^{-1}: M_bar += K_bar F^{-1}; Fo_bar = -K^T K_bar F^{-1} - ll_bar/2 (F^{-1} - w w^T) ---
+        for i in range(m):  # K_bar <- K_bar F^{-1}
+            _cho_solve_vec(L, k, K_bar[i], K_bar[i])
             for jj in range(k):
-                s = 0.0
-                for l in range(k):
-                    s += K_bar[i, l] * Finv[l, jj]
-                Mo_bar[i, jj] = s
+                M_bar[i, jj] += K_bar[i, jj]
+        for i in range(p):
+            for jj in range(p):
+                X_bar[i, jj] = g_F[t, i, jj] if has_F else 0.0
         for i in range(k):
             for jj in range(k):
                 s = 0.0
                 for l in range(m):
-                    s += K[l, i] * Mo_bar[l, jj]
-                Fo_bar[i, jj] = -0.5 * ll_bar * (Finv[i, jj] - w[i] * w[jj]) - s
-        # full F_bar (p, p): output cotangent + observed block; X_bar = sym(F_bar)
-        for i in range(p):
-            for jj in range(p):
-                X_bar[i, jj] = 0.0
-        if has_F:
-            for i in range(p):
-                for jj in range(p):
-                    X_bar[i, jj] = g_F[t, i, jj]
-        for i in range(k):
-            for jj in range(k):
-                X_bar[obs[i], obs[jj]] += Fo_bar[i, jj]
-        for i in range(p):
-            for jj in range(i + 1, p):
-                s = 0.5 * (X_bar[i, jj] + X_bar[jj, i])
-                X_bar[i, jj] = s
-                X_bar[jj, i] = s
-        # X = Z P Z^T + H: Z_bar += X_bar Z (P + P^T); P_bar += Z^T X_bar Z; H_bar += X_bar
+                    s += K[l, i] * K_bar[l, jj]
+                X_bar[obs[i], obs[jj]] += -0.5 * ll_bar * (Finv[i, jj] - w[i] * w[jj]) - s
+        _sym_inplace(X_bar)
+        # --- F = Z Ps Z^T + sym(H) + j I: H_bar += X_bar; Z_bar += 2 X_bar Z Ps; Ps_bar += Z^T X_bar Z ---
         for i in range(p):
             for jj in range(p):
                 gH[it_H, i, jj] += X_bar[i, jj]
-        for i in range(p):  # W1[:p, :m] = X_bar Z
-            for jj in range(m):
-                s = 0.0
-                for l in range(p):
-                    s += X_bar[i, l] * Zt[l, jj]
-                W1[i, jj] = s
-        for i in range(p):
-            for jj in range(m):
-                s = 0.0
-                for l in range(m):
-                    s += W1[i, l] * (P[l, jj] + P[jj, l])
-                gZ[it_Z, i, jj] += s
+        _matmul(X_bar, Zt, XZ)
+        _matmul(XZ, Ps, gZ[it_Z], 2.0, 1.0)
+        _matmul(Zt.T, XZ, P_bar_new)
         for i in range(m):
             for jj in range(m):
-                s = 0.0
-                for l in range(p):
-                    s += Zt[l, i] * W1[l, jj]
-                P_bar_new[i, jj] += s
-        # Mo = P Zo^T: P_bar += Mo_bar Zo; Zo_bar += Mo_bar^T P
+                P_bar_new[i, jj] += S[i, jj]
+        # --- M = Ps Zo^T: Ps_bar += M_bar Zo; Zo_bar += M_bar^T Ps ---
+        # --- v_o = y_o - d_o - Zo a: y_bar += v_bar; d_bar -= v_bar; Zo_bar -= v_bar a^T; a_bar -= Zo^T v_bar ---
+        _matmul(M_bar[:, :k], Zo[:k], P_bar_new, 1.0, 1.0)
+        _matmul(M_bar[:, :k].T, Ps, XZ[:k])  # Zo_bar (M = Ps Zo^T)
         for i in range(m):
-            for jj in range(m):
-                s = 0.0
-                for l in range(k):
-                    s += Mo_bar[i, l] * Zo[l, jj]
-                P_bar_new[i, jj] += s
-        for i in range(k):
-            for jj in range(m):
-                s = 0.0
-                for l in range(m):
-                    s += Mo_bar[l, i] * P[l, jj]
-                gZ[it_Z, obs[i], jj] += s
-        # v_o = y_o - d_o - Zo a: y_bar += v_bar; d_bar -= v_bar; Zo_bar -= v_bar a^T; a_bar -= Zo^T v_bar
+            a_bar_new[i] = af_bar[i]
         for i in range(k):
             oi = obs[i]
             gy[t, oi] += vo_bar[i]
             gd[it_d, oi] -= vo_bar[i]
             for jj in range(m):
-                gZ[it_Z, oi, jj] -= vo_bar[i] * a[jj]
+                gZ[it_Z, oi, jj] += XZ[i, jj] - vo_bar[i] * a[jj]
                 a_bar_new[jj] -= Zo[i, jj] * vo_bar[i]
-        # carry to the previous step, adding the cotangent of predicted_state[t]
         for i in range(m):
-            abar[i] = a_bar_new[i]
-            if has_ap:
-                abar[i] += g_ap[t, i]
-            for jj in range(m):
-                Pbar[i, jj] = P_bar_new[i, jj]
-                if has_Pp:
-                    Pbar[i, jj] += g_Pp[t, i, jj]
-    if n_acc > 0:
-        _steady_flush(T[0], Z[0], R[0], Q[0], P_cached, Pf, A, K, p, Gs, Ss, Xs, Ms,
-                      gT[0], gZ[0], gR[0], gH[0], gQ[0], W1, tmp2)
-    return gy, abar, Pbar, gc, gd, gT, gZ, gR, gH, gQ
+            abar[i] = a_bar_new[i] + (g_ap[t, i] if has_ap else 0.0)
+        _carry_cov(P_bar_new, t, g_Pp, has_Pp, Pbar)
+        cached = fast and k == p
+        if cached:
+            P_cached[:] = Pp[t]
+            _closed_loop(K, Zo, k, A)
+            _matmul(T[0], A, Lss)
+        t -= 1
+    if static_rq:
+        _rq_vjp(Grq, R[0], Q[0], gR[0], gQ[0])
+    ga0[:] = abar
+    gP0[:, :] = Pbar
 
 
 # ---------------------------------------------------------------------------
@@ -999,22 +1102,86 @@ def _c(x):
     return np.ascontiguousarray(x)
 
 
-@numba.njit(cache=True)
-def _c0(x):
-    """Fresh C-contiguous 0-d float64 copy of a 0-d array."""
-    out = np.empty((), dtype=np.float64)
-    out[()] = x[()]
-    return out
+_I64 = numba.types.int64
+_F64 = numba.types.float64
+
+
+@opaque_kernel(_F64(*([F64P] * 17), *([_I64] * 11), _F64, _F64, _I64))
+def _filter_abi(y, a0, P0, c, d, T, Z, R, H, Q, llo, af, Pf, ap, Pp, v, F,
+                n, p, m, r, tc, td, tT, tZ, tR, tH, tQ, jitter, mv, use_mv):
+    """C-ABI barrier around :func:`_filter_into` (C-contiguous float64 buffers, their sizes;
+    see :class:`iterops._fused.OpaqueKernel` for why).  Returns the log-likelihood."""
+    return _filter_into(
+        numba.carray(y, (n, p)), numba.carray(a0, (m,)), numba.carray(P0, (m, m)),
+        numba.carray(c, (tc, m)), numba.carray(d, (td, p)), numba.carray(T, (tT, m, m)),
+        numba.carray(Z, (tZ, p, m)), numba.carray(R, (tR, m, r)), numba.carray(H, (tH, p, p)),
+        numba.carray(Q, (tQ, r, r)), jitter, mv, use_mv != 0,
+        numba.carray(llo, (n,)), numba.carray(af, (n, m)), numba.carray(Pf, (n, m, m)),
+        numba.carray(ap, (n + 1, m)), numba.carray(Pp, (n + 1, m, m)), numba.carray(v, (n, p)),
+        numba.carray(F, (n, p, p)),
+    )
+
+
+@opaque_kernel(numba.types.void(*([F64P] * 29), *([_I64] * 12), _F64, _F64, _F64))
+def _adjoint_abi(y, a0, P0, c, d, T, Z, R, H, Q, ap, Pp, gllobs, gaf, gPf, gap, gPp, gv, gF,
+                 oy, oa0, oP0, oc, od, oT, oZ, oR, oH, oQ,
+                 n, p, m, r, tc, td, tT, tZ, tR, tH, tQ, flags, jitter, mv, gll):
+    """C-ABI barrier around :func:`kalman_adjoint_kernel`.  ``flags`` bits: 0 ``use_mv``, 1-7 which
+    of (loglik_obs, filtered_state, filtered_cov, predicted_state, predicted_cov, forecast_error,
+    forecast_error_cov) have a cotangent; a missing one is a buffer of any size, read as empty."""
+    h1 = ((flags >> 1) & 1) == 1
+    h2 = ((flags >> 2) & 1) == 1
+    h3 = ((flags >> 3) & 1) == 1
+    h4 = ((flags >> 4) & 1) == 1
+    h5 = ((flags >> 5) & 1) == 1
+    h6 = ((flags >> 6) & 1) == 1
+    h7 = ((flags >> 7) & 1) == 1
+    n1, n2, n3, n6, n7 = n * h1, n * h2, n * h3, n * h6, n * h7  # empty where disconnected
+    n4, n5 = (n + 1) * h4, (n + 1) * h5
+    kalman_adjoint_kernel(
+        numba.carray(y, (n, p)), numba.carray(a0, (m,)), numba.carray(P0, (m, m)),
+        numba.carray(c, (tc, m)), numba.carray(d, (td, p)), numba.carray(T, (tT, m, m)),
+        numba.carray(Z, (tZ, p, m)), numba.carray(R, (tR, m, r)), numba.carray(H, (tH, p, p)),
+        numba.carray(Q, (tQ, r, r)), jitter, mv, (flags & 1) == 1,
+        numba.carray(ap, (n + 1, m)), numba.carray(Pp, (n + 1, m, m)),
+        gll, numba.carray(gllobs, (n1,)), numba.carray(gaf, (n2, m)), numba.carray(gPf, (n3, m, m)),
+        numba.carray(gap, (n4, m)), numba.carray(gPp, (n5, m, m)), numba.carray(gv, (n6, p)),
+        numba.carray(gF, (n7, p, p)),
+        h1, h2, h3, h4, h5, h6, h7,
+        numba.carray(oy, (n, p)), numba.carray(oa0, (m,)), numba.carray(oP0, (m, m)),
+        numba.carray(oc, (tc, m)), numba.carray(od, (td, p)), numba.carray(oT, (tT, m, m)),
+        numba.carray(oZ, (tZ, p, m)), numba.carray(oR, (tR, m, r)), numba.carray(oH, (tH, p, p)),
+        numba.carray(oQ, (tQ, r, r)),
+    )
 
 
 @entry_point
 def _filter_entry(tv: tuple, jitter: float, mv: float, use_mv: bool):
+    flag = int(use_mv)
+    abi = _filter_abi.external  # opaque call: a new graph does not recompile the kernel
+
     @numba.njit
     def kalman_filter_fn(y, a0, P0, c, d, T, Z, R, H, Q):
         if _check_shapes_jit(y, a0, P0, c, d, T, Z, R, H, Q, tv):
             raise ValueError("kalman_filter: inconsistent input shapes at run time")
-        ll, llo, af, Pf, ap, Pp, v, F = kalman_filter_kernel(
-            _c(y), _c(a0), _c(P0), _c(c), _c(d), _c(T), _c(Z), _c(R), _c(H), _c(Q), jitter, mv, use_mv
+        y_, a0_, P0_, c_, d_ = _c(y), _c(a0), _c(P0), _c(c), _c(d)
+        T_, Z_, R_, H_, Q_ = _c(T), _c(Z), _c(R), _c(H), _c(Q)
+        n, p = y_.shape
+        m = a0_.shape[0]
+        r = Q_.shape[1]
+        llo = np.empty(n)
+        af = np.empty((n, m))
+        Pf = np.empty((n, m, m))
+        ap = np.empty((n + 1, m))
+        Pp = np.empty((n + 1, m, m))
+        v = np.empty((n, p))
+        F = np.empty((n, p, p))
+        ll = abi(
+            data_ptr(y_), data_ptr(a0_), data_ptr(P0_), data_ptr(c_), data_ptr(d_), data_ptr(T_),
+            data_ptr(Z_), data_ptr(R_), data_ptr(H_), data_ptr(Q_), data_ptr(llo), data_ptr(af),
+            data_ptr(Pf), data_ptr(ap), data_ptr(Pp), data_ptr(v), data_ptr(F),
+            n, p, m, r, c_.shape[0], d_.shape[0], T_.shape[0], Z_.shape[0], R_.shape[0], H_.shape[0],
+            Q_.shape[0], jitter, mv, flag,
         )
         out = np.empty((), dtype=np.float64)
         out[()] = ll
@@ -1025,40 +1192,29 @@ def _filter_entry(tv: tuple, jitter: float, mv: float, use_mv: bool):
 
 @entry_point
 def _adjoint_entry(tv: tuple, jitter: float, mv: float, use_mv: bool, connected: tuple):
-    has = connected
-    n_ct = sum(connected)
     # position of each connected cotangent among the Op's trailing inputs
     pos = []
     j = 0
     for h in connected:
         pos.append(j if h else -1)
         j += h
-    pos = tuple(pos)
-
-    # Unpack the variable-length tail with literal indices known at build time.
-    src = ["def _impl(y, a0, P0, c, d, T, Z, R, H, Q, ap, Pp" + "".join(f", g{i}" for i in range(n_ct)) + "):"]
+    flags = int(use_mv) | sum(1 << i for i in range(1, 8) if connected[i])
+    names = ("y", "a0", "P0", "c", "d", "T", "Z", "R", "H", "Q", "ap", "Pp")
+    # Unpack the variable-length tail with indices known at build time.
+    src = ["def _impl(" + ", ".join(names) + "".join(f", g{i}" for i in range(sum(connected))) + "):"]
     src.append("    if _check(y, a0, P0, c, d, T, Z, R, H, Q, tv):")
     src.append("        raise ValueError('kalman_filter gradient: inconsistent input shapes at run time')")
-    n = "y.shape[0]"
-    m = "a0.shape[0]"
-    p = "y.shape[1]"
-    dummies = {
-        0: "np.zeros(())", 1: f"np.zeros(0)", 2: "np.zeros((0, 0))", 3: "np.zeros((0, 0, 0))",
-        4: "np.zeros((0, 0))", 5: "np.zeros((0, 0, 0))", 6: "np.zeros((0, 0))", 7: "np.zeros((0, 0, 0))",
-    }
-    # np.ascontiguousarray would turn the 0-d loglik cotangent into 1-d: _c0 copies it into a fresh
-    # 0-d C array instead, so that every graph calls the (large, slow to compile) adjoint kernel with
-    # one type signature, whatever layout the graph gives that cotangent
-    args = [(f"_c(g{pos[i]})" if i else f"_c0(g{pos[i]})") if has[i] else dummies[i] for i in range(8)]
-    src.append(
-        "    return _kernel(_c(y), _c(a0), _c(P0), _c(c), _c(d), _c(T), _c(Z), _c(R), _c(H), _c(Q), "
-        "jitter, mv, use_mv, _c(ap), _c(Pp), "
-        + ", ".join(args) + ", " + ", ".join(str(bool(h)) for h in has) + ")"
-    )
-    del n, m, p
+    src += [f"    {x}_ = _c({x})" for x in names]
+    src.append(f"    gll = g{pos[0]}[()]" if connected[0] else "    gll = 0.0")
+    src += [f"    g{i}_ = _c(g{pos[i]})" if connected[i] else f"    g{i}_ = np.zeros(1)" for i in range(1, 8)]
+    src += [f"    o{x} = np.empty_like({x}_)" for x in names[:10]]
+    ptrs = [f"_ptr({x}_)" for x in names] + [f"_ptr(g{i}_)" for i in range(1, 8)] + [f"_ptr(o{x})" for x in names[:10]]
+    dims = ["y_.shape[0]", "y_.shape[1]", "a0_.shape[0]", "Q_.shape[1]"] + [f"{x}_.shape[0]" for x in "cdTZRHQ"]
+    src.append(f"    _abi({', '.join(ptrs)}, {', '.join(dims)}, {flags}, jitter, mv, gll)")
+    src.append("    return " + ", ".join(f"o{x}" for x in names[:10]))
     ns = {
-        "np": np, "_check": _check_shapes_jit, "_kernel": kalman_adjoint_kernel, "_c": _c, "_c0": _c0,
-        "tv": tv, "jitter": jitter, "mv": mv, "use_mv": use_mv,
+        "np": np, "_check": _check_shapes_jit, "_abi": _adjoint_abi.external, "_c": _c, "_ptr": data_ptr,
+        "tv": tv, "jitter": jitter, "mv": mv,
     }
     exec("\n".join(src), ns)
     return numba.njit(ns["_impl"])

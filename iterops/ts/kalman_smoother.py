@@ -35,14 +35,17 @@ from pytensor.gradient import grad_not_implemented
 from pytensor.graph.basic import Apply
 from pytensor.tensor.variable import TensorVariable
 
-from iterops._fused import entry_point, register_fused_op
+from iterops._fused import F64P, data_ptr, entry_point, opaque_kernel, register_fused_op
 from iterops.ts.kalman import (
+    _F64,
+    _I64,
     _IN_SIG,
     KalmanOpBase,
     _apply_kalman_op,
     _c,
     _check_shapes_jit,
     _cho_inverse,
+    _closed_loop,
     _cov_update,
     _matmul,
     _mean_update,
@@ -75,7 +78,9 @@ def kalman_smoother_kernel(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv):
     P_s = np.full((n, m, m), np.nan)
     if not np.isfinite(ll) and ll < 0:
         return a_s, P_s
-    obs, Zo, Ho, M, L, K, w, A, tmp, tmp2 = _workspace(m, p, r_dim)
+    obs, Ps, PZ, Zo, M, L, K, w = _workspace(m, p, r_dim)
+    A = np.empty((m, m))
+    FZ = np.empty((p, m))
     v = np.empty(p)
     F = np.empty((p, p))
     af = np.empty(m)
@@ -90,9 +95,10 @@ def kalman_smoother_kernel(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv):
         Zt = Z[_ti(Z, t)]
         P = Pp[t]
         k = _observe(ap[t], y[t], d[_ti(d, t)], Zt, mv, use_mv, v, obs)
-        ok, logdet = _cov_update(P, Zt, H[_ti(H, t)], jitter, obs, k, F, Zo, Ho, M, L, K, A, Pf, tmp)
+        ok, logdet = _cov_update(P, Zt, H[_ti(H, t)], jitter, obs, k, Ps, PZ, F, Zo, M, L, K, Pf)
         _mean_update(ap[t], v, obs, k, logdet, L, K, w, af)
         _cho_inverse(L, k, Finv)
+        _closed_loop(K, Zo, k, A)
         _matmul(T[_ti(T, t)], A, Lt)  # L_t = T A
         # r <- Zo^T w + L_t^T r
         for i in range(m):
@@ -106,8 +112,8 @@ def kalman_smoother_kernel(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv):
         # N <- L_t^T N L_t + Zo^T Finv Zo
         _matmul(N, Lt, W)
         _matmul(Lt.T, W, N)
-        _matmul(Finv[:k, :k], Zo[:k], tmp[:k, :m])
-        _matmul(Zo[:k].T, tmp[:k, :m], W)
+        _matmul(Finv[:k, :k], Zo[:k], FZ[:k])
+        _matmul(Zo[:k].T, FZ[:k], W)
         for i in range(m):
             for j in range(m):
                 N[i, j] += W[i, j]
@@ -127,15 +133,41 @@ def kalman_smoother_kernel(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv):
     return a_s, P_s
 
 
+@opaque_kernel(numba.types.void(*([F64P] * 12), *([_I64] * 11), _F64, _F64, _I64))
+def _smoother_abi(y, a0, P0, c, d, T, Z, R, H, Q, oa, oP, n, p, m, r, tc, td, tT, tZ, tR, tH, tQ, jitter, mv, use_mv):
+    """C-ABI barrier around :func:`kalman_smoother_kernel` (as ``iterops.ts.kalman._filter_abi``)."""
+    a_s, P_s = kalman_smoother_kernel(
+        numba.carray(y, (n, p)), numba.carray(a0, (m,)), numba.carray(P0, (m, m)),
+        numba.carray(c, (tc, m)), numba.carray(d, (td, p)), numba.carray(T, (tT, m, m)),
+        numba.carray(Z, (tZ, p, m)), numba.carray(R, (tR, m, r)), numba.carray(H, (tH, p, p)),
+        numba.carray(Q, (tQ, r, r)), jitter, mv, use_mv != 0,
+    )
+    numba.carray(oa, (n, m))[:] = a_s
+    numba.carray(oP, (n, m, m))[:] = P_s
+
+
 @entry_point
 def _smoother_entry(tv: tuple, jitter: float, mv: float, use_mv: bool):
+    flag = int(use_mv)
+    abi = _smoother_abi.external
+
     @numba.njit
     def kalman_smoother_fn(y, a0, P0, c, d, T, Z, R, H, Q):
         if _check_shapes_jit(y, a0, P0, c, d, T, Z, R, H, Q, tv):
             raise ValueError("kalman_smoother: inconsistent input shapes at run time")
-        return kalman_smoother_kernel(
-            _c(y), _c(a0), _c(P0), _c(c), _c(d), _c(T), _c(Z), _c(R), _c(H), _c(Q), jitter, mv, use_mv
+        y_, a0_, P0_, c_, d_ = _c(y), _c(a0), _c(P0), _c(c), _c(d)
+        T_, Z_, R_, H_, Q_ = _c(T), _c(Z), _c(R), _c(H), _c(Q)
+        n, p = y_.shape
+        m = a0_.shape[0]
+        a_s = np.empty((n, m))
+        P_s = np.empty((n, m, m))
+        abi(
+            data_ptr(y_), data_ptr(a0_), data_ptr(P0_), data_ptr(c_), data_ptr(d_), data_ptr(T_),
+            data_ptr(Z_), data_ptr(R_), data_ptr(H_), data_ptr(Q_), data_ptr(a_s), data_ptr(P_s),
+            n, p, m, Q_.shape[1], c_.shape[0], d_.shape[0], T_.shape[0], Z_.shape[0], R_.shape[0],
+            H_.shape[0], Q_.shape[0], jitter, mv, flag,
         )
+        return a_s, P_s
 
     return kalman_smoother_fn
 
