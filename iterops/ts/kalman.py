@@ -475,6 +475,19 @@ def _fully_observed(y, t, mv, use_mv):
     return True
 
 
+@numba.njit(cache=True, inline="always")
+def _innovation(y, d, Zt, ap, t, L, v, w):
+    """``v = y_t - d_t - Z a_t`` and ``w = F^{-1} v`` for a fully observed step, ``L = chol(F)``."""
+    idd = _ti(d, t)
+    for i in range(y.shape[1]):
+        x = y[t, i] - d[idd, i]
+        for l in range(Zt.shape[1]):
+            x -= Zt[i, l] * ap[t, l]
+        v[i] = x
+        w[i] = x
+    _cho_solve_vec(L, y.shape[1], w, w)
+
+
 @numba.njit(cache=True)
 def _steady_run(t, y, c, d, Tt, Zt, mv, use_mv, logdet, L, K, Fss, Pfss, Pss, ll_obs, af, Pf, ap, Pp, v, F, w):
     """Filter steps t, t+1, ... with the covariance recursion frozen at ``Pss`` (``F, L, K, P_f``
@@ -484,20 +497,15 @@ def _steady_run(t, y, c, d, Tt, Zt, mv, use_mv, logdet, L, K, Fss, Pfss, Pss, ll
     m = Tt.shape[0]
     const = -0.5 * (p * _LOG_2PI + logdet)
     total = 0.0
+    vt = np.empty(p)
     while t < n:
         if not _fully_observed(y, t, mv, use_mv):
             break
         ic = _ti(c, t)
-        idd = _ti(d, t)
-        for i in range(p):
-            s = y[t, i] - d[idd, i]
-            for l in range(m):
-                s -= Zt[i, l] * ap[t, l]
-            v[t, i] = s
-            w[i] = s
-        _cho_solve_vec(L, p, w, w)
+        _innovation(y, d, Zt, ap, t, L, vt, w)
         quad = 0.0
         for i in range(p):
+            v[t, i] = vt[i]
             quad += v[t, i] * w[i]
         ll = const - 0.5 * quad
         ll_obs[t] = ll
@@ -540,16 +548,19 @@ def kalman_filter_kernel(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv):
     :func:`_steady_run`).  A step with missing components leaves the steady state.
     """
     n, p = y.shape
-    m = a0.shape[0]
-    ll_obs = np.empty(n)
-    af = np.empty((n, m))
-    Pf = np.empty((n, m, m))
-    ap = np.empty((n + 1, m))
-    Pp = np.empty((n + 1, m, m))
-    v = np.empty((n, p))
-    F = np.empty((n, p, p))
+    ll_obs, af, Pf, ap, Pp, v, F = _filter_outputs(n, a0.shape[0], p)
     total = _filter_into(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv, ll_obs, af, Pf, ap, Pp, v, F)
     return total, ll_obs, af, Pf, ap, Pp, v, F
+
+
+@numba.njit(cache=True)
+def _filter_outputs(n, m, p):
+    """Uninitialized ``loglik_obs, filtered_state, filtered_cov, predicted_state, predicted_cov,
+    forecast_error, forecast_error_cov`` of an (n, m, p) filter."""
+    return (
+        np.empty(n), np.empty((n, m)), np.empty((n, m, m)), np.empty((n + 1, m)), np.empty((n + 1, m, m)),
+        np.empty((n, p)), np.empty((n, p, p)),
+    )
 
 
 @numba.njit(cache=True)
@@ -801,14 +812,7 @@ def _steady_adjoint_run(
             Pbar[:, :] = 0.0  # far steps' contribution to P_bar_s0 is below ||Lss^K||^2: dropped
         ic = _ti(c, s)
         idd = _ti(d, s)
-        # recompute v = y - d - Z a, w = F^{-1} v, a_f = a + K v
-        for i in range(p):
-            x = y[s, i] - d[idd, i]
-            for l in range(m):
-                x -= Zt[i, l] * ap[s, l]
-            v[i] = x
-            w[i] = x
-        _cho_solve_vec(L, p, w, w)
+        _innovation(y, d, Zt, ap, s, L, v, w)  # recompute v, w = F^{-1} v and a_f = a + K v
         for i in range(m):
             x = ap[s, i]
             for j in range(p):
@@ -1169,13 +1173,7 @@ def _filter_entry(tv: tuple, jitter: float, mv: float, use_mv: bool):
         n, p = y_.shape
         m = a0_.shape[0]
         r = Q_.shape[1]
-        llo = np.empty(n)
-        af = np.empty((n, m))
-        Pf = np.empty((n, m, m))
-        ap = np.empty((n + 1, m))
-        Pp = np.empty((n + 1, m, m))
-        v = np.empty((n, p))
-        F = np.empty((n, p, p))
+        llo, af, Pf, ap, Pp, v, F = _filter_outputs(n, m, p)
         ll = abi(
             data_ptr(y_), data_ptr(a0_), data_ptr(P0_), data_ptr(c_), data_ptr(d_), data_ptr(T_),
             data_ptr(Z_), data_ptr(R_), data_ptr(H_), data_ptr(Q_), data_ptr(llo), data_ptr(af),
