@@ -37,7 +37,10 @@ from pytensor.link.numba.dispatch.basic import register_funcify_default_op_cache
 from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.utils import _parse_gufunc_signature
 
-__all__ = ["FusedOp", "apply_batched", "register_fused_op", "entry_point", "data_ptr", "F64P", "opaque_kernel"]
+__all__ = [
+    "FusedOp", "apply_batched", "register_fused_op", "entry_point", "data_ptr", "keep_alive", "F64P", "OpaqueKernel",
+    "opaque_kernel",
+]
 
 #: ``double*`` in a ``numba.cfunc`` signature (see :func:`data_ptr`).
 F64P = numba.types.CPointer(numba.types.float64)
@@ -57,12 +60,13 @@ class OpaqueKernel:
     which PyTensor does for every node before it loads a cached graph, so cached graphs resolve it.
     """
 
-    def __init__(self, signature, pyfunc):
+    def __init__(self, signature, pyfunc, tag: str = ""):
         self.signature = signature
         self.pyfunc = pyfunc
         src = inspect.getsource(sys.modules[pyfunc.__module__])
         digest = hashlib.sha256(src.encode()).hexdigest()[:16]
-        self.symbol = f"iterops_{pyfunc.__module__.replace('.', '_')}_{pyfunc.__name__}_{digest}"
+        name = f"{pyfunc.__module__}.{pyfunc.__name__}{tag}".replace(".", "_")
+        self.symbol = f"iterops_{name}_{digest}"  # ``tag``: one pyfunc, several signatures
 
     @property
     def external(self):
@@ -82,8 +86,21 @@ def opaque_kernel(signature):
 
 
 @intrinsic
+def keep_alive(typingctx, arrays):
+    """No-op use of a tuple of arrays.  Call it after an :class:`OpaqueKernel` call with every
+    array whose :func:`data_ptr` was passed: Numba frees an array after its last use, and a raw
+    pointer does not count as one, so without this a temporary (a contiguous copy, a dummy) could be
+    freed before the kernel reads it."""
+    def codegen(context, builder, signature, args):
+        return context.get_dummy_value()
+
+    return numba.types.none(arrays), codegen
+
+
+@intrinsic
 def data_ptr(typingctx, arr):
-    """Pointer to the data of a C-contiguous array, to pass it to an :class:`OpaqueKernel`."""
+    """Pointer to the data of a C-contiguous array, to pass it to an :class:`OpaqueKernel`
+    (keep the array alive past the call with :func:`keep_alive`)."""
     sig = numba.types.CPointer(arr.dtype)(arr)
 
     def codegen(context, builder, signature, args):

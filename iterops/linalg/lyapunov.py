@@ -65,7 +65,9 @@ from pytensor.graph.basic import Apply
 from pytensor.link.numba.dispatch.linalg.decomposition.schur import schur_complex
 from pytensor.tensor.variable import TensorVariable
 
-from iterops._fused import FusedOp, apply_batched, entry_point, register_fused_op
+from iterops._fused import (
+    F64P, FusedOp, OpaqueKernel, apply_batched, data_ptr, entry_point, keep_alive, register_fused_op,
+)
 from iterops._implicit import implicit_pullback, implicit_pushforward
 from iterops._validate import as_tensor, check_dim_match, check_square, float_dtype
 
@@ -227,17 +229,38 @@ def lyapunov_kernel(A, Q, method, tol, max_iter):
 # ---------------------------------------------------------------------------
 
 
+def _lyapunov_abi(A, Q, X, n, method, tol, max_iter):
+    """C-ABI barrier around :func:`lyapunov_kernel` (see :class:`iterops._fused.OpaqueKernel`):
+    writes X, returns 1 if solved."""
+    Xs, ok = lyapunov_kernel(numba.carray(A, (n, n)), numba.carray(Q, (n, n)), method, tol, max_iter)
+    numba.carray(X, (n, n))[:] = Xs
+    return 1 if ok else 0
+
+
+_ABI = {
+    name: OpaqueKernel(
+        types.int64(ptr, ptr, ptr, types.int64, types.int64, types.float64, types.int64), _lyapunov_abi, tag=name
+    )
+    for name, ptr in (("float64", F64P), ("complex128", types.CPointer(types.complex128)))
+}
+
+
 @entry_point
 def _lyapunov_entry(work_dtype: str, out_dtype: str, method: int, tol: float, max_iter: int, raise_: bool):
     work = np.dtype(work_dtype).type
     out = np.dtype(out_dtype).type
+    abi = _ABI[work_dtype].external
 
     @numba.njit
     def solve(A, Q):
         n = A.shape[0]
         if A.shape[1] != n or Q.shape[0] != n or Q.shape[1] != n:
             raise ValueError("solve_discrete_lyapunov: A and Q must both be (n, n) with the same n")
-        X, ok = lyapunov_kernel(A.astype(work), Q.astype(work), method, tol, max_iter)
+        A_ = np.ascontiguousarray(A.astype(work))
+        Q_ = np.ascontiguousarray(Q.astype(work))
+        X = np.empty((n, n), dtype=work)
+        ok = abi(data_ptr(A_), data_ptr(Q_), data_ptr(X), n, method, tol, max_iter) == 1
+        keep_alive((A_, Q_, X))
         if raise_ and not ok:
             raise FloatingPointError("solve_discrete_lyapunov: no (unique, finite) solution found")
         return X.astype(out)

@@ -117,7 +117,7 @@ from pytensor.graph.basic import Apply
 from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.variable import TensorVariable
 
-from iterops._fused import F64P, FusedOp, data_ptr, entry_point, opaque_kernel, register_fused_op
+from iterops._fused import F64P, FusedOp, data_ptr, entry_point, keep_alive, opaque_kernel, register_fused_op
 from iterops._validate import as_tensor, float_dtype
 
 __all__ = [
@@ -443,16 +443,6 @@ def _ti(X, t):
 def _static_cov(T, Z, R, H, Q):
     """True when the covariance recursion does not depend on t (no time-varying T, Z, R, H, Q)."""
     return T.shape[0] == 1 and Z.shape[0] == 1 and R.shape[0] == 1 and H.shape[0] == 1 and Q.shape[0] == 1
-
-
-@numba.njit(cache=True)
-def _same(X, Y):
-    """Bitwise equality of two (m, m) arrays."""
-    for i in range(X.shape[0]):
-        for j in range(X.shape[1]):
-            if X[i, j] != Y[i, j]:
-                return False
-    return True
 
 
 @numba.njit(cache=True)
@@ -1181,6 +1171,7 @@ def _filter_entry(tv: tuple, jitter: float, mv: float, use_mv: bool):
             n, p, m, r, c_.shape[0], d_.shape[0], T_.shape[0], Z_.shape[0], R_.shape[0], H_.shape[0],
             Q_.shape[0], jitter, mv, flag,
         )
+        keep_alive((y_, a0_, P0_, c_, d_, T_, Z_, R_, H_, Q_))
         out = np.empty((), dtype=np.float64)
         out[()] = ll
         return out, llo, af, Pf, ap, Pp, v, F
@@ -1209,9 +1200,10 @@ def _adjoint_entry(tv: tuple, jitter: float, mv: float, use_mv: bool, connected:
     ptrs = [f"_ptr({x}_)" for x in names] + [f"_ptr(g{i}_)" for i in range(1, 8)] + [f"_ptr(o{x})" for x in names[:10]]
     dims = ["y_.shape[0]", "y_.shape[1]", "a0_.shape[0]", "Q_.shape[1]"] + [f"{x}_.shape[0]" for x in "cdTZRHQ"]
     src.append(f"    _abi({', '.join(ptrs)}, {', '.join(dims)}, {flags}, jitter, mv, gll)")
+    src.append("    _keep((" + ", ".join([f"{x}_" for x in names] + [f"g{i}_" for i in range(1, 8)]) + "))")
     src.append("    return " + ", ".join(f"o{x}" for x in names[:10]))
     ns = {
-        "np": np, "_check": _check_shapes_jit, "_abi": _adjoint_abi.external, "_c": _c, "_ptr": data_ptr,
+        "np": np, "_check": _check_shapes_jit, "_abi": _adjoint_abi.external, "_c": _c, "_ptr": data_ptr, "_keep": keep_alive,
         "tv": tv, "jitter": jitter, "mv": mv,
     }
     exec("\n".join(src), ns)

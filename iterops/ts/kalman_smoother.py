@@ -35,7 +35,7 @@ from pytensor.gradient import grad_not_implemented
 from pytensor.graph.basic import Apply
 from pytensor.tensor.variable import TensorVariable
 
-from iterops._fused import F64P, data_ptr, entry_point, opaque_kernel, register_fused_op
+from iterops._fused import F64P, data_ptr, entry_point, keep_alive, opaque_kernel, register_fused_op
 from iterops.ts.kalman import (
     _F64,
     _I64,
@@ -167,6 +167,7 @@ def _smoother_entry(tv: tuple, jitter: float, mv: float, use_mv: bool):
             n, p, m, Q_.shape[1], c_.shape[0], d_.shape[0], T_.shape[0], Z_.shape[0], R_.shape[0],
             H_.shape[0], Q_.shape[0], jitter, mv, flag,
         )
+        keep_alive((y_, a0_, P0_, c_, d_, T_, Z_, R_, H_, Q_))
         return a_s, P_s
 
     return kalman_smoother_fn
