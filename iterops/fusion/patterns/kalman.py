@@ -48,9 +48,9 @@ or with ``solve(F, Z @ P).T`` (and then ``v @ solve(F, v)``), the update
 (state) and ``d`` (observation), the log-determinant as ``log(det(F))``; the
 constant ``p log(2 pi)`` written as a number (checked against ``y``'s static
 size).  The output order, argument order and names are free.  The fused filter
-updates the covariance in Joseph form and symmetrizes it, which is the same
-matrix in exact arithmetic: results agree to rounding for well-conditioned
-``F``.  The textbook loop has no missing-data handling: NaN observations make
+computes the same update on one triangle and mirrors it (exactly symmetric),
+which is the same matrix in exact arithmetic: results agree to rounding for
+well-conditioned ``F``.  The textbook loop has no missing-data handling: NaN observations make
 its log-likelihood and states NaN from that step on, and so does the
 replacement (and its covariances are then NaN as well, where the loop's stay
 finite).
