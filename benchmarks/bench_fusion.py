@@ -17,6 +17,7 @@ from pytensor.compile.mode import get_mode
 from pytensor.scan.utils import until
 
 import iterops
+from iterops import demo
 from benchmarks._harness import Section, Target, best_time, ms
 
 
@@ -134,20 +135,10 @@ def run(quick: bool) -> list[Section]:
 
 
 def _local_level_model(n):
-    import pymc as pm
-    from pymc_extras.statespace import structural as st
-
     rng = np.random.default_rng(3)
     y = np.cumsum(rng.normal(size=n))[:, None]
     y[n // 3] = np.nan
-    ss = (st.LevelTrendComponent(order=2, innovations_order=[1, 1]) + st.MeasurementError()).build(verbose=False)
-    with pm.Model(coords=ss.coords) as model:
-        pm.Deterministic("P0", pt.eye(ss.k_states) * 10, dims=ss.param_dims["P0"])
-        pm.Normal("initial_level_trend", dims=ss.param_dims["initial_level_trend"])
-        pm.HalfNormal("sigma_level_trend", dims=ss.param_dims["sigma_level_trend"])
-        pm.HalfNormal("sigma_MeasurementError", dims=ss.param_dims.get("sigma_MeasurementError"))
-        ss.build_statespace_graph(y)
-    return model
+    return demo.pymc_extras_local_linear_trend_model(y)
 
 
 def _pymc_extras_section(quick: bool) -> Section:

@@ -57,6 +57,7 @@ __all__ = [
     "load_nile",
     "load_inflation",
     "local_level_model",
+    "pymc_extras_local_linear_trend_model",
     "ar2_noise_model",
     "scan_kalman_filter",
     "MODELS",
@@ -158,6 +159,23 @@ def local_level_model(y, impl="iterops"):
         sigma_level = pm.HalfNormal("sigma_level", 2 * scale)
         system = local_level_system(sigma_obs, sigma_level, y[0])
         pm.Potential("loglik", _filter(impl, y[:, None], *system))
+    return model
+
+
+def pymc_extras_local_linear_trend_model(y):
+    """pymc-extras' structural local linear trend + measurement error model of ``y`` (n, 1), as its
+    users write it (``P0 = 10 I``).  Unchanged user code: on ``import iterops`` its Kalman filter Scan
+    is replaced by :func:`iterops.ts.kalman_filter`."""
+    import pymc as pm
+    from pymc_extras.statespace import structural as st
+
+    ss = (st.LevelTrendComponent(order=2, innovations_order=[1, 1]) + st.MeasurementError()).build(verbose=False)
+    with pm.Model(coords=ss.coords) as model:
+        pm.Deterministic("P0", pt.eye(ss.k_states) * 10, dims=ss.param_dims["P0"])
+        pm.Normal("initial_level_trend", dims=ss.param_dims["initial_level_trend"])
+        pm.HalfNormal("sigma_level_trend", dims=ss.param_dims["sigma_level_trend"])
+        pm.HalfNormal("sigma_MeasurementError", dims=ss.param_dims.get("sigma_MeasurementError"))
+        ss.build_statespace_graph(y)
     return model
 
 

@@ -204,8 +204,7 @@ def test_pymc_extras_time_varying_stays_scan(pe_data):
 
 @pytest.fixture(scope="module")
 def local_level_model():
-    import pymc as pm
-    from pymc_extras.statespace import structural as st
+    from iterops.demo import pymc_extras_local_linear_trend_model
 
     rng = np.random.default_rng(3)
     y = np.cumsum(rng.normal(size=40))[:, None]
@@ -213,14 +212,7 @@ def local_level_model():
     y[17] = np.nan
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ss = (st.LevelTrendComponent(order=2, innovations_order=[1, 1]) + st.MeasurementError()).build(verbose=False)
-        with pm.Model(coords=ss.coords) as model:
-            pm.Deterministic("P0", pt.eye(ss.k_states) * 10, dims=ss.param_dims["P0"])
-            pm.Normal("initial_level_trend", dims=ss.param_dims["initial_level_trend"])
-            pm.HalfNormal("sigma_level_trend", dims=ss.param_dims["sigma_level_trend"])
-            pm.HalfNormal("sigma_MeasurementError", dims=ss.param_dims.get("sigma_MeasurementError"))
-            ss.build_statespace_graph(y)
-    return model
+        return pymc_extras_local_linear_trend_model(y)
 
 
 def test_pymc_extras_model_logp_dlogp_use_kalman_op(local_level_model):

@@ -617,24 +617,9 @@ def _row_same(X, t, Y):
 
 @numba.njit(cache=True)
 def _congruence(X, G, W, out, beta):
-    """out = X^T G X + beta out for square X, G (``W`` scratch); loops up to ``_SMALL``, then BLAS."""
-    m = X.shape[0]
-    if m > _SMALL:
-        _matmul(G, X, W)
-        _matmul(X.T, W, out, 1.0, beta)
-        return
-    for i in range(m):
-        for j in range(m):
-            s = 0.0
-            for l in range(m):
-                s += G[i, l] * X[l, j]
-            W[i, j] = s
-    for i in range(m):
-        for j in range(m):
-            s = beta * out[i, j] if beta != 0.0 else 0.0
-            for l in range(m):
-                s += X[l, i] * W[l, j]
-            out[i, j] = s
+    """out = X^T G X + beta out for square X, G (``W`` scratch)."""
+    _matmul(G, X, W)
+    _matmul(X.T, W, out, 1.0, beta)
 
 
 @numba.njit(cache=True)
