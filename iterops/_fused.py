@@ -18,18 +18,32 @@ Each algorithm lives in one module holding
 :func:`register_fused_op` registers the Op with PyTensor's Numba dispatch
 (with a props-based cache key, so compiled graphs are cached on disk).  Without
 that registration the Numba linker falls back to object mode.
+
+Cache keys cover every source a kernel depends on.  A kernel calls helpers from
+other modules (the smoother calls the filter's), so keying a compiled kernel on
+its own module would serve a stale helper after an edit.  :data:`PACKAGE_DIGEST`
+hashes all kernel-bearing modules (:data:`KERNEL_SOURCES`) once at import; it is
+part of PyTensor's cache key of every fused Op, of every :class:`OpaqueKernel`
+symbol, and of the freshness stamp of Numba's on-disk cache (``cache=True``) for
+every function defined in the package (:class:`PackageCacheLocator`).  Editing
+any of those modules recompiles what depends on them; nothing is bumped by hand.
+
+Op options are cache keys too (:func:`entry_point` memoizes on them, PyTensor
+merges equal Ops), so they must be hashable and equal to themselves: a NaN
+option (``float("nan") != float("nan")``) is replaced by one canonical NaN
+object, by :func:`entry_point` and by :class:`FusedOp`'s ``__eq__``/``__hash__``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
-import sys
-from functools import cache
+from functools import cache, wraps
+from pathlib import Path
 
 import llvmlite.binding
 import numba
 import numpy as np
+from numba.core.caching import CacheImpl, _CacheLocator
 from numba.extending import intrinsic
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
@@ -39,16 +53,98 @@ from pytensor.tensor.utils import _parse_gufunc_signature
 
 __all__ = [
     "FusedOp", "apply_batched", "register_fused_op", "entry_point", "data_ptr", "keep_alive", "F64P", "OpaqueKernel",
-    "opaque_kernel",
+    "opaque_kernel", "PACKAGE_DIGEST", "KERNEL_SOURCES", "PackageCacheLocator",
 ]
 
 #: ``double*`` in a ``numba.cfunc`` signature (see :func:`data_ptr`).
 F64P = numba.types.CPointer(numba.types.float64)
 
+# ---------------------------------------------------------------------------
+# Cache keys that cover every source a kernel depends on
+# ---------------------------------------------------------------------------
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+#: Globs, relative to the package directory, of every module holding kernels or helpers that
+#: kernels call (this module, ``_*.py`` helper modules, ``linalg/``, ``ts/``).  A new directory
+#: of kernels must be added here.
+KERNEL_SOURCES = ("_*.py", "linalg/*.py", "ts/*.py")
+
+
+def package_digest(root: Path = _PACKAGE_DIR, patterns=KERNEL_SOURCES) -> str:
+    """sha256 over the relative paths and bytes of the files matching ``patterns`` under ``root``."""
+    h = hashlib.sha256()
+    for path in sorted({p for pattern in patterns for p in root.glob(pattern) if p.is_file()}):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+#: Digest of every kernel-bearing source of the package, computed once at import.
+PACKAGE_DIGEST = package_digest()
+
+
+class PackageCacheLocator(_CacheLocator):
+    """Numba on-disk cache locator for functions defined in this package.
+
+    Numba stamps a function's cache index with a hash of the file that defines it and
+    reloads the cached machine code while that stamp matches, so a kernel whose helper lives in
+    another module kept running the old helper after an edit (numba issue #1833).  This
+    locator keeps Numba's own location and disambiguator (it wraps the locator Numba would have
+    chosen) and adds :data:`PACKAGE_DIGEST` to the stamp: editing any kernel-bearing module makes
+    every cached iterops function stale, so it is recompiled and its index rewritten.
+    """
+
+    def __init__(self, inner: _CacheLocator):
+        self._inner = inner
+
+    def ensure_cache_path(self):
+        self._inner.ensure_cache_path()
+
+    def get_cache_path(self):
+        return self._inner.get_cache_path()
+
+    def get_source_stamp(self):
+        return (self._inner.get_source_stamp(), PACKAGE_DIGEST)
+
+    def get_disambiguator(self):
+        return self._inner.get_disambiguator()
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        path = Path(py_file)
+        if not path.is_file() or not path.resolve().is_relative_to(_PACKAGE_DIR):  # also "<string>"
+            return None
+        for other in CacheImpl._locator_classes:
+            if other is not cls:
+                inner = other.from_function(py_func, py_file)
+                if inner is not None:
+                    return cls(inner)
+        return None
+
+
+if not any(c.__name__ == PackageCacheLocator.__name__ and c.__module__ == __name__
+           for c in CacheImpl._locator_classes):
+    CacheImpl._locator_classes.insert(0, PackageCacheLocator)
+
+
+_NANS: dict = {}
+
+
+def _canonical(value):
+    """``value`` with every NaN (also inside tuples) replaced by one canonical object of its type,
+    so that it is equal to itself (containers compare identical items as equal) and hashes alike."""
+    if isinstance(value, float | complex | np.floating | np.complexfloating) and value != value:
+        return _NANS.setdefault((type(value), repr(value)), value)
+    if isinstance(value, tuple):
+        items = [_canonical(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
 
 class OpaqueKernel:
     """A kernel behind a C-ABI barrier: ``numba.cfunc(signature, cache=True)`` compiled on first use,
-    its address registered with LLVM under a symbol named after the module's source hash, and
+    its address registered with LLVM under a symbol named after :data:`PACKAGE_DIGEST`, and
     called from jitted code as ``numba.types.ExternalFunction`` (:attr:`external`).
 
     Why: a jitted function that calls another jitted function links the callee's IR into its own
@@ -63,10 +159,9 @@ class OpaqueKernel:
     def __init__(self, signature, pyfunc, tag: str = ""):
         self.signature = signature
         self.pyfunc = pyfunc
-        src = inspect.getsource(sys.modules[pyfunc.__module__])
-        digest = hashlib.sha256(src.encode()).hexdigest()[:16]
         name = f"{pyfunc.__module__}.{pyfunc.__name__}{tag}".replace(".", "_")
-        self.symbol = f"iterops_{name}_{digest}"  # ``tag``: one pyfunc, several signatures
+        # the digest covers every module the kernel may call into; ``tag``: one pyfunc, several signatures
+        self.symbol = f"iterops_{name}_{PACKAGE_DIGEST[:16]}"
 
     @property
     def external(self):
@@ -109,15 +204,36 @@ def data_ptr(typingctx, arr):
     return sig, codegen
 
 
-class FusedOp(Op):
+def _props_eq(self, other):
+    return self is other or (
+        type(self) is type(other) and _canonical(self._props()) == _canonical(other._props())
+    )
+
+
+def _props_hash(self):
+    return hash((type(self), _canonical(self._props())))
+
+
+class _FusedOpType(type(Op)):
+    """Gives every class that declares ``__props__`` (and no ``__eq__``/``__hash__`` of its own)
+    equality and hashing over its props with NaN made equal to itself; PyTensor's metaclass
+    would otherwise generate a plain tuple comparison, under which an Op with a NaN option is
+    not equal to its copy."""
+
+    def __new__(mcs, name, bases, dct):
+        if "__props__" in dct:
+            dct.setdefault("__eq__", _props_eq)
+            dct.setdefault("__hash__", _props_hash)
+        return super().__new__(mcs, name, bases, dct)
+
+
+class FusedOp(Op, metaclass=_FusedOpType):
     """Base class of iterops' fused-loop core Ops.
 
     Subclasses implement ``make_node``, ``infer_shape``, ``pullback`` and
-    :meth:`numba_fn`; ``perform`` is inherited.
+    :meth:`numba_fn`; ``perform`` is inherited.  Ops are equal when their props are
+    (a NaN prop equals a NaN prop).
     """
-
-    #: bump when a kernel's semantics change, to invalidate on-disk caches
-    kernel_version: int = 1
 
     def numba_fn(self, node: Apply):
         """Return the jitted callable ``f(*inputs) -> output | tuple(outputs)``.
@@ -153,15 +269,14 @@ def apply_batched(op: Op, *inputs):
 def register_fused_op(op_type):
     """Class decorator: register ``op_type`` with PyTensor's Numba backend."""
 
-    # PyTensor caches compiled graphs on disk keyed by the Op's props and this
-    # integer.  Hashing the defining module's source means an edited kernel is
-    # never served stale from the cache (no manual version bumps needed).
-    source = inspect.getsource(sys.modules[op_type.__module__])
-    source_key = int(hashlib.sha256(source.encode()).hexdigest()[:12], 16)
+    # PyTensor caches compiled graphs on disk keyed by the Op's props and this integer.  The
+    # package digest covers the Op's module and every module its kernels call into, so an edited
+    # kernel or helper is never served stale from the cache (no manual version bumps).
+    source_key = int(PACKAGE_DIGEST[:15], 16)
 
     @register_funcify_default_op_cache_key(op_type)
     def _numba_funcify(op, node=None, **kwargs):
-        return op.numba_fn(node), source_key + op.kernel_version
+        return op.numba_fn(node), source_key
 
     return op_type
 
@@ -172,9 +287,20 @@ def entry_point(builder):
     ``builder(*static_args)`` returns a ``numba.njit`` function.  Entry points
     are thin: they cast inputs to the working precision, call the module's
     kernel and cast back, so compiling them is cheap while the kernel itself
-    is cached on disk.
+    is cached on disk.  ``perform`` asks for the entry point on every call, so
+    the memo must hit: NaN arguments (a NaN option, or a NaN sentinel for
+    "unset") are replaced by a canonical NaN first.  ``cache_info()`` counts
+    builds (misses).
     """
-    return cache(builder)
+    memo = cache(builder)
+
+    @wraps(builder)
+    def get(*args, **kwargs):
+        return memo(*map(_canonical, args), **{k: _canonical(v) for k, v in kwargs.items()})
+
+    get.cache_info = memo.cache_info
+    get.cache_clear = memo.cache_clear
+    return get
 
 
 def dtype_name(var) -> str:

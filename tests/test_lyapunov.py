@@ -328,3 +328,91 @@ def test_runtime_shape_mismatch_is_an_error_not_garbage():
     f = pytensor.function([A, Q], solve_discrete_lyapunov(A, Q))
     with pytest.raises(Exception):
         f(np.eye(3) * 0.5, np.eye(2))
+
+
+# ---------------------------------------------------------------------------
+# Every entry to its own scale (issue 13): doubling stopped on the max-abs change, so entries
+# many orders below the largest one were never checked.
+# ---------------------------------------------------------------------------
+
+
+def entrywise_error(x, ref, floor=1e-3):
+    """max_ij |x - ref|_ij / (|ref_ij| + floor sqrt|ref_ii ref_jj|): the relative error of each entry
+    of a covariance, an off-diagonal one measured against at least ``floor`` times its correlation
+    scale (|X_ij| <= sqrt(X_ii X_jj); an entry cancelling to ~0 has no relative accuracy)."""
+    d = np.sqrt(np.abs(np.diag(ref)))
+    return np.max(np.abs(x - ref) / (np.abs(ref) + floor * np.outer(d, d)))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_multiscale_solution_every_entry_accurate(solvers, method):
+    a, q = np.diag([0.0, 0.9999]), np.diag([1.0, 1e-10])
+    x = solvers[method](a, q)
+    ref = sla.solve_discrete_lyapunov(a, q)
+    np.testing.assert_allclose(np.diag(ref), [1.0, 1e-10 / (1 - 0.9999**2)], rtol=1e-13)  # dense formula
+    np.testing.assert_allclose(np.diag(x), np.diag(ref), rtol=1e-12)
+    assert entrywise_error(x, ref) <= 1e-12
+
+
+def multiscale_case(rng, n, rho, triangular, lo=-8):
+    """Stable A with spectral radius rho and an SPD Q whose rows/columns are scaled by 10^U(lo, 0).
+
+    ``triangular``: A nearly lower triangular (each state driven by the ones before it) and the
+    slowest states get the smallest scales -- a slow component driven by tiny noise, where a
+    stop rule that looks at the largest entries only stops too early."""
+    a = rng.normal(size=(n, n))
+    scales = 10.0 ** rng.uniform(lo, 0, size=n)
+    if triangular:
+        a = np.tril(a, -1) * 0.1 + np.diag(np.diag(a))
+        scales[np.argsort(-np.abs(np.diag(a)))] = np.sort(scales)
+    radius = np.max(np.abs(np.linalg.eigvals(a)))
+    a = a * (rho / radius) if radius > 0 else a
+    D = np.diag(scales)
+    return a, D @ spd(rng, n) @ D
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("rho", [0.9999, 0.99999])
+def test_near_unit_root_multiscale(solvers, method, rho, rng):
+    # the slow state (eigenvalue rho) drives the others but is driven only by the smallest noise of Q,
+    # as a nearly integrated component of a state-space model
+    a = np.diag([rho, 0.5, -0.3, 0.1]) + 0.1 * np.tril(rng.normal(size=(4, 4)), -1)
+    D = np.diag([1e-5, 1.0, 1e-2, 1.0])
+    q = D @ spd(rng, 4) @ D
+    ref = sla.solve_discrete_lyapunov(a, q)
+    assert entrywise_error(solvers[method](a, q), ref) <= 1e-8
+
+
+@given(
+    n=st.integers(1, 6),
+    rho=st.floats(0.0, 0.999),
+    triangular=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_property_multiscale_every_entry_matches_scipy(solvers, n, rho, triangular, seed):
+    # doubling sums positive terms entry by entry; the Schur method is accurate normwise only
+    a, q = multiscale_case(np.random.default_rng(seed), n, rho, triangular)
+    ref = sla.solve_discrete_lyapunov(a, q)
+    for method in ("auto", "doubling"):
+        assert entrywise_error(solvers[method](a, q), ref) <= 1e-10, method
+
+
+def test_doubling_unit_root_and_unstable_are_nan_not_a_hang(solvers):
+    for a in (np.diag([1.0, 0.5]), np.diag([1.0 + 1e-12, 0.5]), np.diag([-1.0, 0.2]), np.diag([3.0, 0.2])):
+        assert np.all(np.isnan(solvers["doubling"](a, np.diag([1.0, 1e-10]))))
+
+
+# ---------------------------------------------------------------------------
+# Zero-size input (issue 13)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_zero_size_system(mode, method):
+    A, Q = pt.matrix("A"), pt.matrix("Q")
+    X = solve_discrete_lyapunov(A, Q, method=method)
+    gA, gQ = pytensor.grad(X.sum(), [A, Q])
+    x, ga, gq = pytensor.function([A, Q], [X, gA, gQ], mode=mode)(np.zeros((0, 0)), np.zeros((0, 0)))
+    assert x.shape == ga.shape == gq.shape == (0, 0)
+    assert sla.solve_discrete_lyapunov(np.zeros((0, 0)), np.zeros((0, 0))).shape == (0, 0)
+    assert solve_discrete_lyapunov(np.zeros((3, 0, 0)), np.zeros((0, 0))).eval().shape == (3, 0, 0)

@@ -100,16 +100,21 @@ def block_diag(*x) -> TensorVariable:
 
     Parameters
     ----------
-    x : tensor (..., k, n, m), or several matrices
+    x : tensor (..., k, n, m), or several matrices, or one list/tuple of matrices
         One tensor: its last three dimensions are ``k`` blocks of shape
-        ``(n, m)``; leading dimensions are batch dimensions.  Several
-        arguments: a drop-in for ``pytensor.tensor.linalg.block_diag(*matrices)``;
-        equally shaped matrices are stacked and assembled by the fused kernel,
-        matrices of different shapes are passed to PyTensor's implementation.
+        ``(n, m)``; leading dimensions are batch dimensions.  Several matrices
+        (``block_diag(a, b)`` or ``block_diag([a, b])``): a drop-in for
+        ``pytensor.tensor.linalg.block_diag(*matrices)`` and
+        ``scipy.linalg.block_diag(*arrs)``, any shapes (leading dimensions of
+        ndim > 2 inputs are batch dimensions).  Matrices whose static shapes are
+        all known and equal are stacked and assembled by the fused kernel; any
+        other case goes to PyTensor's implementation (shapes only known at run
+        time may differ, so equality is never assumed).  A single matrix is
+        returned as it is.
 
     Returns
     -------
-    B : tensor (..., k*n, k*m)
+    B : tensor (..., k*n, k*m); for several matrices (..., sum of rows, sum of columns)
 
     Examples
     --------
@@ -119,24 +124,36 @@ def block_diag(*x) -> TensorVariable:
            [0., 0., 1., 1.]])
     """
     func = "block_diag"
+    if len(x) == 1 and isinstance(x[0], list | tuple):
+        if len(x[0]) == 0:
+            raise ValueError(f"{func}: got an empty sequence of matrices; needs at least one")
+        return _of_matrices(func, x[0])
     if len(x) == 0:
         raise ValueError(f"{func}: needs a (..., k, n, m) tensor or at least one matrix")
     if len(x) > 1:
-        mats = [as_tensor(func, f"x[{i}]", xi) for i, xi in enumerate(x)]
-        for i, mi in enumerate(mats):
-            if mi.type.ndim != 2:
-                raise ValueError(
-                    f"{func}: with several arguments each must be a matrix, got x[{i}] with shape {mi.type.shape}"
-                )
-        shapes = {mi.type.shape for mi in mats}
-        if len(shapes) == 1 and None not in next(iter(shapes)):
-            return block_diag(pt.stack(mats))
-        return pt.linalg.block_diag(*mats)
+        return _of_matrices(func, x)
     (x,) = x
     x = as_tensor(func, "x", x)
     if x.type.ndim < 3:
         raise ValueError(
             f"{func}: x must have shape (..., k, n, m) with ndim >= 3, got x with shape {x.type.shape}; "
-            "pass several matrices as separate arguments"
+            "pass several matrices as separate arguments or as a list"
         )
     return apply_batched(BlockDiag(), x)
+
+
+def _of_matrices(func, matrices) -> TensorVariable:
+    """``block_diag(*matrices)``: the fused kernel when every static shape is known and equal."""
+    mats = [as_tensor(func, f"x[{i}]", xi) for i, xi in enumerate(matrices)]
+    for i, mi in enumerate(mats):
+        if mi.type.ndim < 2:
+            raise ValueError(
+                f"{func}: with several arguments each must be a matrix (ndim >= 2), "
+                f"got x[{i}] with shape {mi.type.shape}; shapes: {[m.type.shape for m in mats]}"
+            )
+    if len(mats) == 1:
+        return mats[0]
+    shapes = {mi.type.shape for mi in mats}
+    if len(shapes) == 1 and None not in next(iter(shapes)):
+        return block_diag(pt.stack(mats, axis=-3))
+    return pt.linalg.block_diag(*mats)

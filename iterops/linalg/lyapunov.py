@@ -16,11 +16,13 @@ Methods
     Smith's doubling iteration (the loop of seed 003 and quantecon)::
 
         alpha, gamma = A, Q
-        repeat: gamma <- gamma + alpha gamma alpha^H ; alpha <- alpha alpha
-        until max|gamma_new - gamma| <= tol * max|gamma_new|
+        repeat: term = alpha gamma alpha^H ; gamma <- gamma + term ; alpha <- alpha alpha
+        until |term_ij| <= tol * |gamma_ij| for every entry (i, j)
 
     Quadratic convergence when the spectral radius is below one: the k-th
-    iterate holds the first 2^k terms of the sum.
+    iterate holds the first 2^k terms of the sum.  The stop rule is elementwise,
+    so every entry -- also one many orders of magnitude below the largest --
+    is summed to its own relative precision.
 ``"schur"``
     Direct (Kitagawa / Bartels-Stewart): complex Schur form ``A = U T U^H``,
     then the triangular equation ``T Y T^H - Y + U^H Q U = 0`` is solved
@@ -110,26 +112,32 @@ def _mm(a, b):
 def _doubling(A, Q, tol, max_iter):
     """Smith's doubling; returns (X, converged).
 
-    Stops when the last update is below ``tol`` relative to the sum, or, once
-    updates shrink, when its square is: the next update is
-    ``alpha^2 gamma (alpha^2)^H`` with ``alpha^2`` about as small as the
-    current update squared (quadratic convergence).  Callers that need a
-    guarantee check the residual.
+    ``gamma_k = sum_{j < 2^k} A^j Q (A^H)^j`` and ``alpha_k = A^(2^k)``:
+    ``gamma_{k+1} = gamma_k + alpha_k gamma_k alpha_k^H``, ``alpha_{k+1} = alpha_k^2``.
+    Converged when the term just added is below ``tol`` relative to *each* entry's own value,
+    ``|alpha gamma alpha^H|_ij <= tol |gamma_new|_ij`` for every ``i, j`` (an entry that is
+    exactly zero needs an exactly zero term), so an entry orders of magnitude below the largest
+    one is summed to its own precision too.  For a stable ``A`` the terms go to zero, underflow
+    included, so this always stops; a non-finite term (unstable ``A``) stops with
+    ``converged=False``, as does reaching ``max_iter``.
     """
+    n = A.shape[0]
     alpha = np.ascontiguousarray(A)
     gamma = np.ascontiguousarray(Q).copy()
-    prev = np.inf
     for _ in range(max_iter):
-        new_gamma = gamma + _mm(_mm(alpha, gamma), _ct(alpha))
-        diff = np.max(np.abs(new_gamma - gamma))
-        scale = np.max(np.abs(new_gamma))
-        gamma = new_gamma
-        if not np.isfinite(diff) or not np.isfinite(scale):
-            return gamma, False
-        rel = diff / scale if scale > 0 else 0.0
-        if rel <= tol or (rel < prev and rel * rel <= tol * 1e-2):
+        term = _mm(_mm(alpha, gamma), _ct(alpha))
+        done = True
+        for i in range(n):
+            for j in range(n):
+                t = term[i, j]
+                g = gamma[i, j] + t
+                gamma[i, j] = g
+                if not np.isfinite(g):  # diverging (unstable A): |inf| <= tol |inf| must not pass
+                    return gamma, False
+                if not (np.abs(t) <= tol * np.abs(g)):
+                    done = False
+        if done:
             return gamma, True
-        prev = rel
         alpha = _mm(alpha, alpha)
     return gamma, False
 
@@ -353,9 +361,9 @@ def solve_discrete_lyapunov(
     method : {"auto", "doubling", "schur"}
         See the module docstring.  ``"doubling"`` requires spectral radius < 1.
     tol : float, optional
-        Relative stopping tolerance of the doubling iteration
-        (``max|gamma_new - gamma| <= tol * max|gamma_new|``); machine epsilon
-        by default.
+        Relative stopping tolerance of the doubling iteration, per entry
+        (``|gamma_new - gamma|_ij <= tol * |gamma_new|_ij`` for every ``i, j``);
+        machine epsilon by default.
     max_iter : int
         Maximum doubling iterations (each doubles the number of summed terms).
     on_failure : {"nan", "raise"}

@@ -378,7 +378,6 @@ class _VectorMap(FusedOp):
     """Core Op ``(p)->(p)`` shared by :class:`PacfToAR` and :class:`ARToPacf`."""
 
     __props__ = ()
-    kernel_version = 2
     gufunc_signature = "(p)->(p)"
     fn: str
 
@@ -426,7 +425,6 @@ class ARToAcov(FusedOp):
     """Core Op ``(p),()->(l)`` with ``l = nlags + 1``; use :func:`ar_to_acov`."""
 
     __props__ = ("nlags",)
-    kernel_version = 2
     gufunc_signature = "(p),()->(l)"
 
     def __init__(self, nlags: int):
@@ -477,7 +475,6 @@ class ARDerivative(FusedOp):
     """
 
     __props__ = ("fn", "mode", "nlags")
-    kernel_version = 2
     gufunc_signature = "(p),(q)->(r)"
 
     def __init__(self, fn: str, mode: str, nlags: int = -1):

@@ -145,7 +145,6 @@ class LevinsonDurbin(FusedOp):
     """Core Op ``(m)->(p),(),(p)``: (ar, sigma2, pacf); use :func:`levinson_durbin`."""
 
     __props__ = ("order",)
-    kernel_version = 2
     gufunc_signature = "(m)->(p),(),(p)"
 
     def __init__(self, order: int):
@@ -223,7 +222,6 @@ class AutoCov(FusedOp):
     """Core Op ``(n)->(l)``, ``l = nlags + 1``: lagged products of an (already demeaned) series."""
 
     __props__ = ("nlags", "adjusted")
-    kernel_version = 2
     gufunc_signature = "(n)->(l)"
 
     def __init__(self, nlags: int, adjusted: bool = False):
@@ -249,6 +247,8 @@ class AutoCov(FusedOp):
         n, L = x.shape[0], self.nlags
         d = (n - pt.arange(L + 1)) if self.adjusted else n
         h = g / d
+        if L == 0:
+            return [2 * h[0] * x]  # acov_0 = x.x / d_0 (PyTensor's Numba convolution rejects a length-1 kernel)
         back = convolve1d(x, h, mode="full")[:n]  # sum_k h_k x_{m-k}
         fwd = convolve1d(x, h[::-1], mode="full")[L : L + n]  # sum_k h_k x_{m+k}
         return [back + fwd]

@@ -136,7 +136,6 @@ class SolveToeplitz(FusedOp):
     """Core Op ``(n),(n),(n,k)->(n,k)``: ``toeplitz(c, r) @ x = b``; use :func:`solve_toeplitz`."""
 
     __props__ = ()
-    kernel_version = 2
     gufunc_signature = "(n),(n),(n,k)->(n,k)"
 
     def make_node(self, c, r, b):
@@ -158,10 +157,11 @@ class SolveToeplitz(FusedOp):
             return [disconnected_type()] * 3
         # lam = T^{-T} x_bar: T^T has first column [c0, r1:] and first row c
         lam = apply_batched(self, pt.concatenate([c[:1], r[1:]]), c, x_bar)
-        S = -outer_diagonal_sums(lam, x)  # diagonal sums of T_bar = -lam x^T
+        S = -outer_diagonal_sums(lam, x)  # diagonal sums of T_bar = -lam x^T (2n - 1; empty for n = 0)
         n = c.shape[0]
         c_bar = S[n - 1 :]  # diagonals i - j = k >= 0
-        r_bar = pt.concatenate([pt.zeros((1,), dtype=S.dtype), S[: n - 1][::-1]])  # i - j = -k; r[0] unused
+        # i - j = -k for r[k]; r[0] unused.  ``[:n]``: length n also for n = 0
+        r_bar = pt.concatenate([pt.zeros((1,), dtype=S.dtype), S[: n - 1][::-1]])[:n]
         return [c_bar, r_bar, lam]
 
     def pushforward(self, inputs, outputs, tangents):
@@ -186,8 +186,17 @@ def outer_diagonal_sums(u, v) -> TensorVariable:
     ``S[n - 1 + d] = sum_{i - j = d} sum_l u[i, l] v[j, l]`` (the adjoint of
     building a Toeplitz matrix from its diagonals): a full 1-d
     cross-correlation per column, ``convolve1d(u[:, l], v[::-1, l])``, O(n^2 k).
+    Length ``2 n - 1``; empty for ``n = 0``, zeros for ``k = 0``.
     """
-    return convolve1d(u.T, v.T[:, ::-1], mode="full").sum(axis=0)
+    # A zero row and a zero column appended to both, so that no convolution sees an empty series
+    # (n = 0) or an empty batch (k = 0): the padded sums have the extra diagonals d = +-n, both
+    # zero, at their ends, and the zero column adds nothing.
+    u, v = _pad_zero_row_and_column(u), _pad_zero_row_and_column(v)
+    return convolve1d(u.T, v.T[:, ::-1], mode="full").sum(axis=0)[1:-1]
+
+
+def _pad_zero_row_and_column(a):
+    return pt.set_subtensor(pt.zeros((a.shape[0] + 1, a.shape[1] + 1), dtype=a.dtype)[:-1, :-1], a)
 
 
 def toeplitz_matrix(c, r=None) -> TensorVariable:
@@ -231,7 +240,9 @@ def solve_toeplitz(c_or_cr, b, *, b_ndim: int | None = None) -> TensorVariable:
     -------
     x : tensor of the shape of ``b`` (with broadcast batch dimensions)
         All-NaN for a system on which the recursion breaks down (a singular
-        leading principal block of ``T``) or non-finite input.
+        leading principal block of ``T``) or non-finite input.  Empty when
+        ``n = 0`` or ``k = 0``, as :func:`numpy.linalg.solve` (for an empty
+        ``(0, k)`` matrix ``b`` scipy returns shape ``(0, 0)``; here it is ``(0, k)``).
 
     Replaces a dense ``pt.linalg.solve(toeplitz(c, r), b)`` (O(n^3)) or the
     Levinson loop written as a ``pytensor.scan`` over the order ``m``.

@@ -1,0 +1,216 @@
+"""The fused-Op machinery shared by every Op (iterops._fused): entry-point memoization on every
+linker, Op equality, and cache keys that cover every source a kernel depends on."""
+
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from pytensor.compile.mode import Mode
+from pytensor.graph.basic import Apply
+
+import iterops
+from iterops._fused import FusedOp, entry_point
+from iterops.ts import kalman_filter, kalman_smoother
+
+# the modules (``iterops.ts.kalman_smoother`` is also the name of a function)
+kalman = importlib.import_module("iterops.ts.kalman")
+kalman_smoother_module = importlib.import_module("iterops.ts.kalman_smoother")
+
+LINKERS = {"python": "FAST_COMPILE", "c": Mode(linker="cvm"), "numba": "NUMBA"}
+
+
+# ---------------------------------------------------------------------------
+# Entry points and Op identity with NaN-valued options (a NaN is not equal to itself)
+# ---------------------------------------------------------------------------
+
+
+def test_entry_point_memoizes_nan_arguments():
+    built = []
+
+    @entry_point
+    def build(x: float, opts: tuple):
+        built.append((x, opts))
+        return lambda: x
+
+    for _ in range(3):
+        build(float("nan"), (1.0, float("nan")))
+        build(np.float64("nan"), (1.0, float("nan")))
+        build(0.5, (1.0, 2.0))
+    assert len(built) == 3
+    assert build.cache_info().misses == 3
+    assert np.isnan(build(float("nan"), ())())  # the builder still sees a NaN
+
+
+class _NanPropOp(FusedOp):
+    __props__ = ("value", "pair")
+
+    def __init__(self, value, pair=(0.0, 0.0)):
+        self.value = float(value)
+        self.pair = tuple(float(v) for v in pair)
+
+    def make_node(self, x):
+        x = pt.as_tensor_variable(x)
+        return Apply(self, [x], [x.type()])
+
+
+def test_op_with_nan_props_equals_itself():
+    a, b = _NanPropOp(float("nan"), (1.0, float("nan"))), _NanPropOp(np.nan, (1.0, np.float64("nan")))
+    assert a == a and a == b and hash(a) == hash(b)
+    assert a != _NanPropOp(1.0, (1.0, float("nan")))
+    assert a != _NanPropOp(float("nan"), (1.0, 2.0))
+    # the Kalman Ops keep NaN-valued options too
+    k1, k2 = kalman.KalmanFilter(missing_value=float("nan")), kalman.KalmanFilter(missing_value=float("nan"))
+    assert k1 == k2 and hash(k1) == hash(k2)
+
+
+# ---------------------------------------------------------------------------
+# A compiled function does not re-JIT its entry points on every call, on any linker
+# ---------------------------------------------------------------------------
+
+
+def _local_level_inputs():
+    y = np.array([[1.0], [np.nan], [0.5], [0.2], [-0.3]])
+    return [y, [0.0], [[1.0]], [0.0], [0.0], [[0.9]], [[1.0]], [[1.0]], [[0.5]], [[0.3]]]
+
+
+@pytest.mark.parametrize("linker", list(LINKERS))
+def test_kalman_entry_points_built_once(linker):
+    values = [np.asarray(v, dtype="float64") for v in _local_level_inputs()]
+    syms = [pt.tensor(f"x{i}", shape=v.shape, dtype="float64") for i, v in enumerate(values)]
+    # default missing_value=None: the entry points get a NaN sentinel; a cov_jitter unique to
+    # this test gives entry points no other test has built
+    opts = dict(cov_jitter=1.2345e-11)
+    res = kalman_filter(*syms, **opts)
+    T = syms[5]
+    outs = [res.loglik, pytensor.grad(res.loglik + res.filtered_state.sum(), T), kalman_smoother(*syms, **opts)[0]]
+    entries = [kalman._filter_entry, kalman._adjoint_entry, kalman_smoother_module._smoother_entry]
+    before = [e.cache_info().misses for e in entries]
+    f = pytensor.function(syms, outs, mode=LINKERS[linker])
+    first = f(*values)
+    after_first = [e.cache_info().misses for e in entries]
+    for _ in range(4):
+        again = f(*values)
+        for u, v in zip(first, again):
+            np.testing.assert_array_equal(u, v)
+    after = [e.cache_info().misses for e in entries]
+    assert after == after_first, f"entry points re-built on later calls: {after_first} -> {after}"
+    assert all(a - b <= 1 for a, b in zip(after, before)), f"built more than once: {before} -> {after}"
+    assert np.isfinite(first[0])
+
+
+# ---------------------------------------------------------------------------
+# Stale kernels: editing a helper module invalidates every cache of the kernels that call it
+# ---------------------------------------------------------------------------
+
+_HELPER = """
+import numba
+
+
+@numba.njit(cache=True)
+def helper(x):
+    return x + {inc}
+"""
+
+_PROBE = '''
+"""A kernel module calling a helper from another module: njit kernel, opaque cfunc, entry glue."""
+import numba
+import numpy as np
+import pytensor.tensor as pt
+from pytensor.graph.basic import Apply
+
+from iterops._fused import FusedOp, OpaqueKernel, entry_point, register_fused_op
+from iterops._probe_helper import helper
+
+
+@numba.njit(cache=True)
+def probe_kernel(x):
+    return 2.0 * helper(x)
+
+
+def _probe_abi(x):
+    return 3.0 * helper(x)
+
+
+_ABI = OpaqueKernel(numba.types.float64(numba.types.float64), _probe_abi)
+
+
+@entry_point
+def _probe_entry():
+    abi = _ABI.external
+
+    @numba.njit
+    def run(x):
+        v = x[()]
+        out = np.empty(3)
+        out[0] = probe_kernel(v)
+        out[1] = abi(v)
+        out[2] = helper(v)
+        return out
+
+    return run
+
+
+@register_fused_op
+class Probe(FusedOp):
+    __props__ = ()
+
+    def make_node(self, x):
+        x = pt.as_tensor_variable(x)
+        return Apply(self, [x], [pt.tensor(dtype="float64", shape=(3,))])
+
+    def infer_shape(self, node, input_shapes):
+        return [(3,)]
+
+    def numba_fn(self, node):
+        return _probe_entry()
+'''
+
+_RUN = """
+import json
+import pytensor, pytensor.tensor as pt
+import iterops
+from iterops.linalg.probe import Probe, probe_kernel
+
+x = pt.dscalar("x")
+f = pytensor.function([x], Probe()(x), mode="NUMBA")
+g = pytensor.function([x], Probe()(x), mode="FAST_COMPILE")
+print(json.dumps({"file": iterops.__file__, "values": [probe_kernel(1.0), *f(1.0).tolist(), *g(1.0).tolist()]}))
+"""
+
+
+def _run_probe(root: Path, env_extra: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(root), **env_extra}
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUN], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_edited_helper_module_is_not_served_stale(tmp_path):
+    root = tmp_path / "pkg"
+    shutil.copytree(Path(iterops.__file__).parent, root / "iterops", ignore=shutil.ignore_patterns("__pycache__"))
+    helper = root / "iterops" / "_probe_helper.py"
+    helper.write_text(_HELPER.format(inc="1.0"))
+    (root / "iterops" / "linalg" / "probe.py").write_text(textwrap.dedent(_PROBE))
+    env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba_cache")}
+
+    first = _run_probe(root, env)
+    assert Path(first["file"]).parent == root / "iterops"
+    assert first["values"] == [4.0, 4.0, 6.0, 2.0, 4.0, 6.0, 2.0]
+    cached = {p.name.split("-")[0] for p in (tmp_path / "numba_cache").rglob("*.nbi")}
+    assert {"probe.probe_kernel", "probe._probe_abi", "_probe_helper.helper"} <= cached, cached
+    assert _run_probe(root, env)["values"] == first["values"]  # served from the caches
+
+    helper.write_text(_HELPER.format(inc="2.0"))  # only the helper module changes
+    assert _run_probe(root, env)["values"] == [6.0, 6.0, 9.0, 3.0, 6.0, 9.0, 3.0]
