@@ -21,7 +21,10 @@ from pytensor.scan.utils import until
 
 import iterops
 from iterops.linalg.block_diag import BlockDiag
-from iterops.linalg.lyapunov import DiscreteLyapunov
+from iterops.linalg.lyapunov_iteration import LyapunovFixedPointLoop, SmithDoublingLoop
+
+#: what the Lyapunov loops are replaced by: the same iterations, fused
+LOOP_OPS = (SmithDoublingLoop, LyapunovFixedPointLoop)
 
 pytestmark = pytest.mark.filterwarnings("ignore:matrix_dot is deprecated:FutureWarning")
 
@@ -133,7 +136,7 @@ def test_seed003_doubling_every_linker(seed003, mode, rng):
     inputs, X = seed003
     f = pytensor.function(inputs, X, mode=mode)
     assert not any(isinstance(op, Scan) for op in _ops(f))
-    assert _has(f, DiscreteLyapunov)
+    assert _has(f, SmithDoublingLoop)
     a, q = _stable(rng, 3)
     expected = scipy.linalg.solve_discrete_lyapunov(a, q)
     np.testing.assert_allclose(f(a, q, 1e-12, 100), expected, rtol=1e-9, atol=1e-12)
@@ -164,7 +167,7 @@ def test_doubling_spelling_variants(dtype, rng):
     A, B = pt.matrix("A", dtype=dtype), pt.matrix("B", dtype=dtype)
     X = doubling_variant(A, B)
     f = pytensor.function([A, B], X)
-    assert _has(f, DiscreteLyapunov) and not any(isinstance(op, Scan) for op in _ops(f))
+    assert _has(f, LOOP_OPS) and not any(isinstance(op, Scan) for op in _ops(f))
     a, q = _stable(rng, 4, dtype)
     out = f(a, q)
     assert out.dtype == dtype
@@ -176,15 +179,16 @@ def test_doubling_spelling_variants(dtype, rng):
 def test_fixed_point_matches_and_gradient(rng):
     A, Q, tol = pt.matrix("A"), pt.matrix("Q"), pt.scalar("tol")
     X = fixed_point(A, Q, tol, n_steps=pt.constant(500))
-    f = pytensor.function([A, Q, tol], X, on_unused_input="ignore")  # the solve needs no tolerance
-    assert _has(f, DiscreteLyapunov) and not any(isinstance(op, Scan) for op in _ops(f))
+    f = pytensor.function([A, Q, tol], X)  # the fused iteration honours the tolerance
+    assert _has(f, LOOP_OPS) and not any(isinstance(op, Scan) for op in _ops(f))
     a, q = _stable(rng, 3, rho=0.6)
     f_scan = pytensor.function([A, Q, tol], X, mode=_SCAN_MODE)
     # the loop stops when its change is below tol: it is within tol / (1 - rho^2) of the solution
     np.testing.assert_allclose(f(a, q, 1e-12), scipy.linalg.solve_discrete_lyapunov(a, q), rtol=1e-10)
-    np.testing.assert_allclose(f(a, q, 1e-12), f_scan(a, q, 1e-12), atol=1e-11 / (1 - 0.36))
+    for t in (1e-12, 1e-3):  # the fused iteration stops where the loop stops
+        np.testing.assert_allclose(f(a, q, t), f_scan(a, q, t), rtol=1e-12)
     g_scan = pytensor.function([A, Q, tol], pytensor.grad(X.sum(), A), mode=_SCAN_MODE)
-    g = pytensor.function([A, Q, tol], pytensor.grad(iterops.fuse_loops(X).sum(), A), on_unused_input="ignore")
+    g = pytensor.function([A, Q, tol], pytensor.grad(iterops.fuse_loops(X).sum(), A))
     np.testing.assert_allclose(g(a, q, 1e-14), g_scan(a, q, 1e-14), rtol=1e-8, atol=1e-10)
 
 
@@ -224,8 +228,7 @@ def test_nested_loop_inner_graph_is_rewritten(mode, rng):
     f = pytensor.function([scales, A, Q], out, mode=mode)
     inner = _inner_ops(f)
     assert inner and not any(isinstance(op, Scan) for op in inner)
-    assert any(isinstance(op, DiscreteLyapunov) or isinstance(getattr(op, "core_op", None), DiscreteLyapunov)
-               for op in inner)
+    assert any(isinstance(getattr(op, "core_op", op), SmithDoublingLoop) for op in inner)
     a, q = _stable(rng, 2, rho=0.8)
     sv = np.array([0.5, 1.0])
     expected = [scipy.linalg.solve_discrete_lyapunov(s * a, q).sum() for s in sv]
@@ -235,7 +238,7 @@ def test_nested_loop_inner_graph_is_rewritten(mode, rng):
 def test_excluding_iterops_keeps_scan(seed003):
     inputs, X = seed003
     f = pytensor.function(inputs, X, mode=get_mode("FAST_COMPILE").excluding("iterops"))
-    assert any(isinstance(op, Scan) for op in _ops(f)) and not _has(f, DiscreteLyapunov)
+    assert any(isinstance(op, Scan) for op in _ops(f)) and not _has(f, LOOP_OPS)
 
 
 def test_pymc_pregrad_rewrites_scan():
@@ -248,7 +251,7 @@ def test_pymc_pregrad_rewrites_scan():
 
     owners = [v.owner.op for v in ancestors([cost]) if v.owner is not None]
     assert not any(isinstance(op, Scan) for op in owners)
-    assert any(isinstance(getattr(op, "core_op", op), DiscreteLyapunov) for op in owners)
+    assert any(isinstance(getattr(op, "core_op", op), SmithDoublingLoop) for op in owners)
 
 
 def test_fuse_loops_list_in_list_out_and_explain(seed003):
@@ -256,7 +259,7 @@ def test_fuse_loops_list_in_list_out_and_explain(seed003):
     out = iterops.fuse_loops([X, X.sum()])
     assert isinstance(out, list) and len(out) == 2
     report = iterops.explain(X)
-    assert len(report.replaced) == 1 and "solve_discrete_lyapunov" in str(report)
+    assert len(report.replaced) == 1 and "smith_doubling_loop" in str(report)
     assert "no Scan" in str(iterops.explain(inputs[0] + 1))
 
 
@@ -320,14 +323,9 @@ NEAR_MISSES = {
                                                   stop=lambda n, o, t: pt.max(pt.abs(n - o)) > t),
     "stop on the value, not the change": lambda: _doubling_with(lambda a, g: g + a @ g @ a.T,
                                                                 stop=lambda n, o, t: pt.max(pt.abs(n)) < t),
-    "max-iteration guard too small": lambda: _doubling_with(lambda a, g: g + a @ g @ a.T, n_steps=5),
-    "no stop, too few doublings": lambda: _no_stop_doubling(8),
     "intermediate gammas used": lambda: _doubling_with(lambda a, g: g + a @ g @ a.T, used="trace"),
-    "alpha used": lambda: _doubling_with(lambda a, g: g + a @ g @ a.T, used="alpha"),
     "fixed point, other transpose": lambda: _fixed_point_with(lambda X, A, Q: A.T @ X @ A + Q),
     "fixed point, two different matrices": lambda: _fixed_point_with(lambda X, A, Q: A @ X @ Q.T + Q),
-    "fixed point, no stop": lambda: _fixed_point_with(lambda X, A, Q: A @ X @ A.T + Q, stop=False),
-    "fixed point, too few steps": lambda: _fixed_point_with(lambda X, A, Q: A @ X @ A.T + Q, n_steps=50),
     "block diag, initial matrix not zero": lambda: _block_with(init=lambda k, n, m: pt.ones((k * n, k * m))),
     "block diag, one block short": lambda: _block_with(n_steps=lambda k: k - 1),
     "block diag, shifted columns": lambda: _block_with(stride=1),
@@ -347,12 +345,36 @@ def test_near_miss_stays_scan(name):
     get_mode("NUMBA").optimizer.rewrite(fg)
     ops = [n.op for n in fg.apply_nodes]
     assert any(isinstance(op, Scan) for op in ops)
-    assert not any(isinstance(getattr(op, "core_op", op), DiscreteLyapunov | BlockDiag) for op in ops)
+    assert not any(isinstance(getattr(op, "core_op", op), LOOP_OPS + (BlockDiag,)) for op in ops)
+
+
+#: loops once kept because a solver could not reproduce them; the fused iterations are exact on them
+EXACT_NOW = {
+    "max-iteration guard smaller than convergence": lambda: _doubling_with(lambda a, g: g + a @ g @ a.T, n_steps=5),
+    "no stop, a few doublings": lambda: _no_stop_doubling(8),
+    "alpha used": lambda: _doubling_with(lambda a, g: g + a @ g @ a.T, used="alpha"),
+    "fixed point, no stop": lambda: _fixed_point_with(lambda X, A, Q: A @ X @ A.T + Q, stop=False),
+    "fixed point, few steps": lambda: _fixed_point_with(lambda X, A, Q: A @ X @ A.T + Q, n_steps=50),
+}
+
+
+@pytest.mark.parametrize("name", list(EXACT_NOW))
+def test_truncated_lyapunov_loops_are_fused_and_equal_the_loop(name, rng):
+    out = EXACT_NOW[name]()
+    cost = (out * pt.cos(pt.arange(out.size)).reshape(out.shape)).sum()
+    fused = iterops.fuse_loops(cost)
+    f = pytensor.function([_A, _B, _TOL], [fused, *pytensor.grad(fused, [_A, _B])], on_unused_input="ignore")
+    g = pytensor.function([_A, _B, _TOL], [cost, *pytensor.grad(cost, [_A, _B])], mode=_SCAN_MODE,
+                          on_unused_input="ignore")
+    assert not any(isinstance(op, Scan) for op in _ops(f))
+    a, q = _stable(rng, 3, rho=0.95)
+    for got, want in zip(f(a, q, 1e-12), g(a, q, 1e-12)):
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
 
 
 def test_explain_reports_reason():
-    report = str(iterops.explain(NEAR_MISSES["max-iteration guard too small"]()))
-    assert "n_steps=5" in report
+    report = str(iterops.explain(NEAR_MISSES["stop when diverging"]()))
+    assert "kept as a Scan" in report and "differs from the reference" in report
     report = str(iterops.explain(NEAR_MISSES["transpose on the other side"]()))
     assert "kept as a Scan" in report and "differs from the reference" in report
 

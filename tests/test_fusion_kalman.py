@@ -369,7 +369,8 @@ def test_textbook_extra_used_state_stays_scan():
         return T @ (a + K @ v), T @ (P - K @ Z @ P) @ T.T + R @ Q @ R.T, cnt + 1, ll
 
     _, _, cnt, ll = pytensor.scan(step, sequences=[s["y"]],
-                                  outputs_info=[s["a0"], s["L0"], pt.zeros(()), None],
-                                  non_sequences=[s["T"], s["Z"], s["R"], s["LH"], s["LQ"]], return_updates=False)
+                                  outputs_info=[s["a0"], s["L0"] @ s["L0"].T, pt.zeros(()), None],
+                                  non_sequences=[s["T"], s["Z"], s["R"], s["LH"] @ s["LH"].T, s["LQ"] @ s["LQ"].T],
+                                  return_updates=False)
     assert not iterops.explain([ll.sum(), cnt[-1]]).replaced
     assert iterops.explain(ll.sum()).replaced  # the same loop with the counter unused is recognized

@@ -1,6 +1,6 @@
 """Levinson-Durbin Scans -> iterops.ts.levinson_durbin (iterops.fusion.patterns.levinson).
 
-Matches: no Scan and the LevinsonDurbin Op in the compiled graph; values equal
+Matches: no Scan and the LevinsonRecursion Op (the same recursion, fused) in the compiled graph; values equal
 statsmodels' ``levinson_durbin`` and the unrewritten Scan; gradients equal
 autodiff of the Scan.  Near misses (more than matches) stay Scans.
 """
@@ -14,7 +14,7 @@ from pytensor.scan.op import Scan
 from statsmodels.tsa.stattools import levinson_durbin as sm_levinson_durbin
 
 import iterops
-from iterops.ts.levinson import LevinsonDurbin
+from iterops.ts.levinson_recursion import LevinsonRecursion
 
 _SCAN_MODE = get_mode("FAST_COMPILE").excluding("iterops")
 ORDER = 4
@@ -69,7 +69,7 @@ def test_levinson_matches_statsmodels_and_scan_gradients(build):
     f = pytensor.function([gamma], [*fused[:-1], pytensor.grad(fused[-1], gamma)])
     ref = pytensor.function([gamma], [*outs, pytensor.grad(cost, gamma)], mode=_SCAN_MODE)
     ops = _ops(f)
-    assert any(isinstance(op, LevinsonDurbin) for op in ops) and not any(isinstance(op, Scan) for op in ops)
+    assert any(isinstance(op, LevinsonRecursion) for op in ops) and not any(isinstance(op, Scan) for op in ops)
     for seed in range(3):
         g = _acov(seed)
         got, want = f(g), ref(g)

@@ -26,7 +26,7 @@ from pytensor.scan.utils import until
 
 import iterops
 from iterops.fusion import disabled, is_enabled, set_enabled
-from iterops.linalg.lyapunov import DiscreteLyapunov
+from iterops.linalg.lyapunov_iteration import SmithDoublingLoop
 from iterops.ts.kalman import KalmanFilterGrad
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning")
@@ -134,7 +134,7 @@ def test_doubling_scan_in_pymc_model_is_fused(ar_y):
     model = ar2_model(ar_y)
     # before compiling: PyMC's pre-gradient pass already replaces it (so dlogp uses the fused gradient)
     assert not iterops.explain(rewrite_pregrad(model.logp())).scans
-    _check_model(model, DiscreteLyapunov, 0, rtol=1e-8)
+    _check_model(model, SmithDoublingLoop, 0, rtol=1e-8)
 
 
 def test_textbook_kalman_with_constant_matrices_in_pymc_model_is_fused(level_y):
@@ -151,7 +151,7 @@ def test_disabled_keeps_scans_in_default_mode(ar_y):
         assert iterops.explain(iterops.fuse_loops(model.logp())).scans  # fuse_loops is a no-op too
         assert iterops.explain(rewrite_pregrad(model.logp())).scans  # the pre-grad pass leaves the Scan
     assert is_enabled()
-    assert _has_scan(f.f) and not _has(f.f, DiscreteLyapunov)
+    assert _has_scan(f.f) and not _has(f.f, SmithDoublingLoop)
     assert set_enabled(False) is True
     try:
         assert iterops.explain(rewrite_pregrad(model.logp())).scans

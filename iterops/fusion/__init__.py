@@ -8,9 +8,49 @@ where the mode cannot be chosen (PyMC's ``rewrite_pregrad``, nutpie).  For plain
 ``pytensor.grad``; :func:`explain` says what was (or was not) replaced.
 
 Patterns (see :mod:`iterops.fusion.patterns`): Smith doubling and the
-fixed-point Lyapunov iteration (-> ``solve_discrete_lyapunov``), block-diagonal
-assembly (-> ``block_diag``), and, when available, Kalman filters and the
-Levinson-Durbin recursion.
+fixed-point Lyapunov iteration (-> the same iterations fused,
+:mod:`iterops.linalg.lyapunov_iteration`), block-diagonal assembly (->
+``block_diag``), Kalman filters (-> ``kalman_filter``) and the
+Levinson-Durbin recursion (-> :mod:`iterops.ts.levinson_recursion`).
+
+The exactness contract
+----------------------
+The rewrite runs on every graph once iterops is imported, so it promises:
+
+1. **Same values and gradients.**  For every input on which the user's loop
+   runs without error, the rewritten graph returns the loop's values and
+   gradients: to rounding for exact recursions (Kalman, Levinson,
+   block-diagonal assembly) and for the Lyapunov iterations (the replacement
+   runs the loop's own iteration, stop rule, tolerance and step guard, so a
+   stop decision taken exactly at the tolerance may move by one step), with
+   NaN and infinities where the loop has them.  Gradients equal autodiff of
+   the loop wherever the loop's gradients are finite.
+2. **Proofs, not hopes.**  A condition that an input must meet for the
+   replacement to be exact (a symmetric covariance, a loop index counting
+   from 0, a read of the last row only) is proved from the graph
+   (:mod:`iterops.fusion.proofs`, :mod:`iterops.fusion.piecewise`, the
+   patterns' ``check``); without a proof the Scan is kept.  Replacements that
+   are exact only on part of the input space are not used: PyTensor's Numba
+   ``ifelse`` evaluates both branches, so a run-time fallback to the Scan
+   would cost the Scan anyway.
+3. **Raise where the loop raises.**  A negative ``n_steps`` and a read of the
+   last row of a loop that ran 0 steps raise ``IndexError`` in the rewritten
+   graph too (``CheckAndRaise``); a pattern whose loop would raise on some
+   input checks that input the same way (e.g. Levinson on autocovariances
+   shorter than ``order + 1``).  The message may differ from the loop's.
+4. **Never a different computation.**  The matcher looks through spelling
+   only (operand order of commutative operations, association of products
+   and sums, ``@`` / ``dot``, transposes, widening casts of inputs); a
+   narrowing cast, a truncated gradient (``truncate_gradient``), a different
+   constant or stop rule, an intermediate state read outside the loop, or a
+   loop carrying non-tensor state (random generators) keeps the Scan.
+
+``tests/test_fusion_fuzz.py`` keeps the contract: it generates mutants of
+every pattern's loop (changed operands, transposes, constants, casts, stop
+rules, ``truncate_gradient``, ``go_backwards``, ``n_steps``, start values)
+and checks each is either kept or equal to its loop on random and
+adversarial inputs; ``tests/test_fusion_contract.py`` holds the regression
+cases.
 """
 
 from __future__ import annotations
@@ -109,16 +149,24 @@ def _explain_fgraph(fg, reports, nested_in=None, near=1.0):
     for node in list(fg.toposort()):
         if node not in fg.apply_nodes or not isinstance(node.op, Scan):
             continue
-        match, rejections = match_scan(fg, node, PATTERNS.values())
         name = _scan_name(node)
+        try:
+            match, rejections = match_scan(fg, node, PATTERNS.values())
+        except Exception as err:  # noqa: BLE001  (explain never raises on a valid graph)
+            reports.append(ScanReport(name, None, None, [("(all patterns)", f"could not be analysed: {err!r}")],
+                                      nested_in=nested_in))
+            continue
         if match is not None:
             reports.append(ScanReport(name, match.pattern.replaces_with, match.pattern.name, nested_in=nested_in))
             fg.replace_all(list(replacements_for(match).items()), reason="iterops_explain", import_missing=True)
             continue
         close = [(p, str(err)) for p, err in rejections if err.score >= near] or [(p, str(err)) for p, err in rejections[:1]]
         reports.append(ScanReport(name, None, None, close, nested_in=nested_in))
-        args = ScanArgs.from_node(node, clone=True)
-        inner = FunctionGraph(_inner_inputs(args), _inner_outputs(args), clone=False)
+        try:
+            args = ScanArgs.from_node(node, clone=True)
+            inner = FunctionGraph(_inner_inputs(args), _inner_outputs(args), clone=False)
+        except Exception:  # noqa: BLE001  (an inner graph that cannot be copied: nothing nested to report)
+            continue
         _explain_fgraph(inner, reports, nested_in=name, near=near)
 
 

@@ -21,8 +21,9 @@ Nothing here knows a specific algorithm.  For a ``Scan`` node and a
    free, nested ``add``/``mul`` are flattened, sums with ``sub``/``neg``/
    ``-1 *`` are compared as sums of signed terms, chains of ``Dot`` (and
    matrix-vector products) are compared as products (associativity),
-   ``a > b`` equals ``b < a``, float casts and ``specify_shape`` are
-   transparent, and a role marked ``constant_ok`` (a tolerance, a jitter) may
+   ``a > b`` equals ``b < a``, widening float casts of inputs and constants
+   and ``specify_shape`` are transparent (a narrowing cast, or a widening
+   one of a computed value, is a different computation and never matches), and a role marked ``constant_ok`` (a tolerance, a jitter) may
    be a constant in the user's step, also where the reference broadcasts it.
    A step holding non-scalar constants (``pytensor.scan`` moves constant
    non-sequences such as ``np.eye(1)`` into the step) that matches no
@@ -73,8 +74,10 @@ from pytensor.tensor.elemwise import DimShuffle, Elemwise
 from pytensor.tensor.exceptions import NotScalarConstantError
 from pytensor.tensor.math import Dot
 from pytensor.tensor.shape import Shape, Shape_i, SpecifyShape
+from pytensor.tensor.type import TensorType
 from pytensor.tensor.subtensor import IncSubtensor, Subtensor, indices_from_subtensor
 
+from iterops.fusion import piecewise
 from iterops.fusion.registry import Pattern
 
 __all__ = ["Match", "Reject", "match_scan", "constant_value"]
@@ -232,14 +235,14 @@ def _erase_static_shapes(inputs, outputs):
     ``(inputs, outputs, static)`` with ``static[new input]`` = the original
     static shape; the graph unchanged if it cannot be rebuilt.
     """
-    new = [v.type.clone(shape=(None,) * v.type.ndim)() if v.type.ndim else v for v in inputs]
+    new = [v.type.clone(shape=(None,) * v.type.ndim)() if getattr(v.type, "ndim", 0) else v for v in inputs]
     try:
         outs = _rebuild(inputs, outputs, new)
     except Exception:  # noqa: BLE001  (an Op that needs its static shapes: keep them)
-        return inputs, outputs, {v: v.type.shape for v in inputs}
+        return inputs, outputs, {v: getattr(v.type, "shape", ()) for v in inputs}
     for n, v in zip(new, inputs):
         n.name = v.name
-    return new, outs, {n: v.type.shape for n, v in zip(new, inputs)}
+    return new, outs, {n: getattr(v.type, "shape", ()) for n, v in zip(new, inputs)}
 
 
 def _canonical_user_graph(node, lift=False) -> _UserGraph:
@@ -279,10 +282,15 @@ def _canonical_user_graph(node, lift=False) -> _UserGraph:
         kind[v] = "nonseq"
     states = [*a.inner_in_sit_sot, *a.inner_in_shared]
     updates = dict(zip(states, [*a.inner_out_sit_sot, *a.inner_out_shared]))
-    dtypes = [v.type.dtype for v in states if v.type.dtype.startswith("float")]
+    dtypes = [v.type.dtype for v in states if str(getattr(v.type, "dtype", "")).startswith("float")]
     unsupported = None
     if a.mit_mot_in_slices or a.mit_sot_in_slices:
         unsupported = "the loop has multi-tap (mit-sot/mit-mot) states"
+    elif op.truncate_gradient != -1:
+        # the fused Ops' gradients are full; reproducing a truncated one is not worth a pattern
+        unsupported = f"the loop truncates its gradient (truncate_gradient={op.truncate_gradient})"
+    elif any(not isinstance(v.type, TensorType) for v in ins):
+        unsupported = "the loop carries non-tensor values (e.g. a random generator)"
     return _UserGraph(
         inner_inputs=list(fg.inputs[:n_ins]), inner_outputs=list(fg.outputs), kind=kind, states=states,
         updates=updates, outputs=list(a.inner_out_nit_sot), static=static, cond=a.cond[0] if a.cond else None,
@@ -356,15 +364,28 @@ def _ref_graph(pattern: Pattern, variant: int, dtype: str) -> _RefGraph:
 # ---------------------------------------------------------------------------
 
 
+_FLOAT_BITS = {"float16": 16, "float32": 32, "float64": 64}
+
+
+def _widens(src: str, dst: str) -> bool:
+    """A float cast ``src -> dst`` that loses nothing (float16 -> float32 -> float64, or the same dtype).
+
+    A narrowing cast (``float64 -> float16``, even when cast back) rounds the
+    step's values: a different computation, never transparent.  A widening
+    cast is transparent only on an input or a constant (an exact conversion
+    of data): on a computed value it means the computation below it ran in
+    the lower precision.
+    """
+    return src in _FLOAT_BITS and dst in _FLOAT_BITS and _FLOAT_BITS[src] <= _FLOAT_BITS[dst]
+
+
 def _strip(v):
-    """Look through float casts, specify_shape, view/deep copies."""
+    """Look through widening float casts, specify_shape, view/deep copies."""
     while v.owner is not None:
         op = v.owner.op
         if isinstance(op, Elemwise) and isinstance(op.scalar_op, ps.Cast | ps.Identity):
             src = v.owner.inputs[0]
-            if isinstance(op.scalar_op, ps.Identity) or (
-                src.type.dtype.startswith("float") and v.type.dtype.startswith("float")
-            ):
+            if isinstance(op.scalar_op, ps.Identity) or (src.owner is None and _widens(src.type.dtype, v.type.dtype)):
                 v = src
                 continue
         if isinstance(op, SpecifyShape | DeepCopyOp | ViewOp):
@@ -822,32 +843,28 @@ def _is_last_index(i, v, buffer, start) -> bool:
         return False
     try:
         i = pt.as_tensor_variable(i)
-        return (provably_equal(i, -1) or provably_equal(i, v.shape[0] - 1)
-                or (start is not None and provably_equal(i, buffer.shape[0] - (1 + start)))
-                or (start is not None and _last_by_length(i, buffer, start)))
+        if (provably_equal(i, -1) or provably_equal(i, v.shape[0] - 1)
+                or (start is not None and provably_equal(i, buffer.shape[0] - (1 + start)))):
+            return True
+        return _last_by_length(i, buffer, start) if start is not None else False
     except Exception:  # noqa: BLE001  (no proof)
         return False
 
 
-#: integer scalar operations whose compositions are piecewise linear in the buffer length
-_PIECEWISE_LINEAR = (ps.Add, ps.Sub, ps.Neg, ps.Maximum, ps.Minimum, ps.Switch, ps.LT, ps.LE, ps.GT, ps.GE,
-                     ps.EQ, ps.NEQ, ps.AND, ps.OR, ps.Invert, ps.Cast, ps.Identity, ps.Abs)
+def _last_by_length(i, buffer, start) -> bool | str:
+    """``i`` is a function of ``buffer``'s length ``L`` alone selecting the last row of ``buffer[start:]`` for every ``L``.
 
-
-def _last_by_length(i, buffer, start) -> bool:
-    """``i`` is a function of ``buffer``'s length ``L`` alone equal to ``L - 1 - start`` for every ``L``.
-
-    The index expressions ``local_subtensor_merge`` builds for ``out[1:][-1]``
-    or ``out[-1:][0]`` (``switch``/``maximum`` clamps of ``L``) do not fold
-    by canonicalization.  After shape inference, ``i`` must depend on nothing
-    but ``L`` (``buffer.shape[0]``) and integer constants through integer
-    ``+ - max min abs switch`` and comparisons (multiplication by a constant
-    too): a piecewise-linear function of ``L`` with integer breakpoints
-    bounded by the constants' magnitudes.  It is then compared with
-    ``L - 1 - start`` (or ``-1``) at every ``L`` from ``start + 1`` up to
-    beyond all breakpoints, and at large lengths; at lengths where it is out
-    of bounds the user's graph raises an ``IndexError`` (a loop of 0 steps),
-    which the replacement does not reproduce.
+    The index expressions ``local_subtensor_merge`` builds for ``out[1:][-1]``,
+    ``out[:N][-1]`` or ``out[-1:][0]`` (``switch``/``minimum`` clamps of
+    ``L``) do not fold by canonicalization.  After shape inference, ``i`` must
+    depend on nothing but ``L`` (``buffer.shape[0]``) and integer constants;
+    it is then evaluated exactly as a piecewise-linear function of ``L``
+    (:mod:`iterops.fusion.piecewise`, cost independent of the constants) and
+    must equal ``L - 1 - start`` or ``-1`` on every piece with at least one
+    row (``L > start``) and at least one step (``L >= 2``).  After 0 steps
+    (``L = 1``, the initial value alone) the index may select it, or be out of
+    bounds: then ``"nonempty"`` is returned, and the replacement raises after 0
+    steps as the user's graph does (see ``replacements_for``).
     """
     B = buffer.type()  # the buffer as an input: its length is the only unknown
     (i,) = _rebuild_with([pt.cast(i, "int64")], {buffer: B})
@@ -859,35 +876,19 @@ def _last_by_length(i, buffer, start) -> bool:
         acc = _shape_access(node.outputs[0])
         if acc is not None and acc[1] == 0 and acc[0] is B:
             length_of_buffer.append(node.outputs[0])
-    if not length_of_buffer:
-        return False
     (out,) = _rebuild_with(fg.outputs, {x: pt.cast(L, x.dtype) for x in length_of_buffer})
-    bound = 1
-    for node in io_toposort([L], [out]):
-        if isinstance(node.op, ScalarFromTensor | TensorFromScalar):
-            continue
-        if str(node.outputs[0].type.dtype).startswith(("float", "complex")):
-            return False
-        sop = node.op.scalar_op if isinstance(node.op, Elemwise) else node.op
-        if not isinstance(sop, ps.ScalarOp):
-            return False
-        if isinstance(sop, ps.Mul):
-            if sum(not _is_constant(x) for x in node.inputs) > 1:
-                return False
-        elif not isinstance(sop, _PIECEWISE_LINEAR):
-            return False
-        for x in node.inputs:
-            if _is_constant(x):
-                bound += int(np.abs(np.asarray(x.data, dtype=np.float64)).max(initial=0))
-            elif x.owner is None and x is not L:
-                return False  # depends on something else than the length
-    from pytensor import function  # noqa: PLC0415
-
-    f = function([L], out, mode="FAST_COMPILE", on_unused_input="ignore")
-    lengths = [*range(start + 1, start + 2 + 4 * bound), 10**4 + 7, 2**31 + 3, 2**40 + 1]
-    # the last row (as n - 1 - start or -1), or out of bounds: an IndexError in the user's graph (e.g. a
-    # loop of 0 steps), never an intermediate row
-    return all((k := int(f(n))) in (n - 1 - start, -1) or not -(n - start) <= k < n - start for n in lengths)
+    f = piecewise.evaluate(out, L, start + 1)
+    if f is None:
+        return False
+    # buffer lengths of at least one step (the buffer holds the initial value first)
+    if not all((a, b) in ((1, -1 - start), (0, -1)) for _, a, b in f.refined([2]).pieces if _ >= 2):
+        return False
+    if start > 0:
+        return True
+    k = f(1)  # a loop of 0 steps: the buffer holds the initial value only
+    if k in (0, -1):
+        return True
+    return "nonempty"  # out of bounds: the user's graph raises after 0 steps
 
 
 def _rebuild_with(outputs, replace):
@@ -934,8 +935,9 @@ def _uses(fgraph, var, traced: bool):
                 idx = indices_from_subtensor(client.inputs[1:], op.idx_list)
                 first, rest = idx[0], tuple(idx[1:])
                 if not isinstance(first, slice):
-                    if _is_last_index(first, v, var, start):
-                        out.append((res, "last", (wrappers, rest)))
+                    last = _is_last_index(first, v, var, start)
+                    if last:
+                        out.append((res, "last" if last is True else "last_nonempty", (wrappers, rest)))
                         continue
                 elif first.stop is None and (first.step is None or _is_const(first.step, 1)):
                     s = 0 if first.start is None else constant_value(first.start)
@@ -946,7 +948,7 @@ def _uses(fgraph, var, traced: bool):
                         else:
                             walk(res, new_start, wrappers)
                         continue
-                    if first.start is not None and _is_last_index(first.start, v, var, start):
+                    if first.start is not None and _is_last_index(first.start, v, var, start) is True:
                         out.append((res, "last_row", (wrappers, rest)))  # v[-1:]
                         continue
                     if s is not None and s < 0 and not rest:
@@ -966,7 +968,7 @@ def _uses(fgraph, var, traced: bool):
     walk(var, 0, ())
     # the rows' count may only serve to index the last row (``out[out.shape[0] - 1]``, merged slices): the
     # replacement does not know how many steps a loop with a stop ran
-    last_nodes = {res.owner for res, kind, _ in out if kind in ("last", "last_row")}
+    last_nodes = {res.owner for res, kind, _ in out if kind in ("last", "last_nonempty", "last_row")}
     memo: dict = {}
     # other uses of the count read the rows as a whole (exact for a replaced trace or buffer)
     out += [(v, whole(start), (wrappers, ())) for s, v, start, wrappers in shapes
@@ -1105,7 +1107,7 @@ def _check_outer(fgraph, node, user, pattern, env, variant, ref) -> Match:
         if "other" in kinds:
             raise Reject(f"{name} is used through an index, slice or shape that is not provably its final "
                          "value (intermediate states, or the number of steps run)", score)
-        if provides == "last" and kinds - {"last", "last_row"}:
+        if provides == "last" and kinds - {"last", "last_nonempty", "last_row"}:
             raise Reject(f"intermediate values of {name} (or the number of steps run) are used "
                          "(only its final value can be replaced)", score)
         uses[name] = use

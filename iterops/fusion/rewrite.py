@@ -45,6 +45,7 @@ from contextlib import contextmanager
 import pytensor.tensor as pt
 from pytensor.compile import optdb
 from pytensor.configdefaults import config
+from pytensor.raise_op import CheckAndRaise
 from pytensor.graph.rewriting.basic import NodeRewriter, copy_stack_trace, dfs_rewriter
 from pytensor.scan.op import Scan
 
@@ -96,6 +97,28 @@ def _describe_scan(node) -> str:
     return f"Scan{{{name}}}" if name else "Scan"
 
 
+#: PyTensor's Scan raises on a negative ``n_steps``; the fused Ops would run 0 steps
+_NEGATIVE_STEPS = CheckAndRaise(IndexError, "Scan was asked to run for a negative number of steps")
+#: an index that is out of bounds when the loop ran 0 steps (e.g. ``out[-1:][0]``)
+_NO_STEP = CheckAndRaise(IndexError, "index out of bounds: the loop ran 0 steps")
+
+
+def _raise_as_the_loop(match, value, kind):
+    """``value`` guarded so that the rewritten graph raises where the user's loop raises.
+
+    Scan raises on ``n_steps < 0``.  A loop of 0 steps raises only where the
+    user's index is out of bounds then (``"last_nonempty"`` uses):
+    PyTensor reads ``out[-1]`` of an empty trace as the initial value, and so
+    do the replacements.  Checks that a constant ``n_steps`` proves are left out.
+    """
+    c = match.n_steps_value()
+    if c is None:
+        value = _NEGATIVE_STEPS(value, pt.ge(match.n_steps, 0))
+    if kind == "last_nonempty" and (c is None or c < 1):
+        value = _NO_STEP(value, pt.ge(match.n_steps, 1))
+    return value
+
+
 def replacements_for(match) -> dict:
     """``{outer variable: fused replacement}`` for a :class:`Match`."""
     values = match.pattern.build(match)
@@ -108,8 +131,13 @@ def replacements_for(match) -> dict:
         for var, kind in uses:
             if var in repl:
                 continue
-            if kind in ("last", "last_row"):
-                rows = value[-1] if provides == "trace" else value  # the final state
+            use_kind, kind = kind, "last" if kind == "last_nonempty" else kind
+            if kind in ("last", "last_row") and provides == "trace":
+                # the final state; the initial one after 0 steps, as PyTensor reads the loop's out[-1]
+                init = initial_value(match.args.outer_in_sit_sot[_sitsot_index(match, state)])
+                rows = pt.concatenate([pt.shape_padleft(pt.cast(init, value.dtype)), value[-1:]], axis=0)[-1]
+            elif kind in ("last", "last_row"):
+                rows = value  # the final state
             elif kind == "trace":
                 rows = value
             elif kind == "buffer":
@@ -117,7 +145,8 @@ def replacements_for(match) -> dict:
                 rows = pt.concatenate([pt.shape_padleft(pt.cast(init, value.dtype)), value], axis=0)
             else:  # pragma: no cover  (the matcher rejects other uses)
                 raise AssertionError(kind)
-            new = _apply_view(rows, kind, *match.views.get(var, ((), ())))
+            new = _raise_as_the_loop(match, _apply_view(rows, kind, *match.views.get(var, ((), ())),
+                                                        n_steps=match.n_steps), use_kind)
             if new.type.dtype != var.type.dtype:
                 new = pt.cast(new, var.type.dtype)
             new = var.type.filter_variable(new, allow_convert=True)
@@ -126,14 +155,18 @@ def replacements_for(match) -> dict:
     return repl
 
 
-def _apply_view(rows, kind, wrappers, rest):
+def _apply_view(rows, kind, wrappers, rest, n_steps):
     """Read ``rows`` as the user's use did: row-wise wrappers, then the row selection and trailing indices.
 
     For ``"last"`` / ``"last_row"``, ``rows`` is the final state itself.
+    ``out[-1:]`` of a loop of 0 steps is empty in PyTensor (and
+    ``out[-1:][0]`` raises), so ``"last_row"`` keeps ``min(n_steps, 1)`` rows.
     """
     if kind == "last" and not wrappers:
         return rows[rest] if rest else rows
-    if kind in ("last", "last_row"):
+    if kind == "last_row":
+        rows = pt.shape_padleft(rows)[: pt.clip(n_steps, 0, 1)]
+    elif kind == "last":
         rows = pt.shape_padleft(rows)  # the final state as the only row
     for op in wrappers:
         rows = op(rows)

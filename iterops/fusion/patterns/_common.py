@@ -8,26 +8,30 @@ from pytensor.tensor.subtensor import Subtensor, indices_from_subtensor
 
 from iterops.fusion.matcher import constant_value, provably_equal
 
-__all__ = ["CONVERGENCE_STOPS", "provably_equal", "is_counter_sequence", "strip_leading_slices", "static_square"]
+__all__ = ["CONVERGENCE_STOPS", "CONVERGENCE_STOP_KINDS", "provably_equal", "is_counter_sequence", "strip_leading_slices", "static_square"]
 
 
 def _max_abs(d):
     return pt.max(pt.abs(d))
 
 
+_STOP_RULES = (
+    ("max_lt", lambda d, tol: _max_abs(d) < tol),
+    ("max_le", lambda d, tol: _max_abs(d) <= tol),
+    ("max_lt", lambda d, tol: pt.all(pt.abs(d) < tol)),  # the same test, NaN included (false)
+    ("fro_lt", lambda d, tol: pt.linalg.norm(d) < tol),
+)
+
 #: The convergence stops users write, as ``stop(new, old, tol) -> condition``:
 #: the max-abs or Frobenius norm of the change below ``tol`` (strict or not),
-#: with either sign of the difference.
+#: with either sign of the difference; ``CONVERGENCE_STOP_KINDS[i]`` names
+#: rule ``i`` as the fused loop Ops spell it (``stop=``).
 CONVERGENCE_STOPS = tuple(
-    rule
+    (lambda new, old, tol, diff=diff, rule=rule: rule(diff(new, old), tol))
     for diff in (lambda new, old: new - old, lambda new, old: old - new)
-    for rule in (
-        lambda new, old, tol, diff=diff: _max_abs(diff(new, old)) < tol,
-        lambda new, old, tol, diff=diff: _max_abs(diff(new, old)) <= tol,
-        lambda new, old, tol, diff=diff: pt.all(pt.abs(diff(new, old)) < tol),
-        lambda new, old, tol, diff=diff: pt.linalg.norm(diff(new, old)) < tol,
-    )
+    for _, rule in _STOP_RULES
 )
+CONVERGENCE_STOP_KINDS = tuple(kind for _ in range(2) for kind, _ in _STOP_RULES)
 
 
 def strip_leading_slices(v):

@@ -52,8 +52,7 @@ computes the same update on one triangle and mirrors it (exactly symmetric),
 which is the same matrix in exact arithmetic: results agree to rounding for
 well-conditioned ``F``.  The textbook loop has no missing-data handling: NaN observations make
 its log-likelihood and states NaN from that step on, and so does the
-replacement (and its covariances are then NaN as well, where the loop's stay
-finite).
+replacement; its covariances stay finite, and so do the replacement's.
 
 Both: the loop runs over the rows of ``y`` (``y[:n_steps]``), and only
 ``pytensor.scan``'s usual views of each output are used (the whole trace, its
@@ -74,6 +73,7 @@ import numpy as np
 import pytensor.tensor as pt
 
 from iterops.fusion.matcher import constant_value
+from iterops.fusion.proofs import is_psd, is_symmetric
 from iterops.fusion.registry import Pattern, Role, register_pattern
 from iterops.ts.kalman import kalman_filter
 
@@ -136,13 +136,26 @@ def _n_steps_rows(m, y):
     return y[: m.n_steps]
 
 
+def _unproven(m, names, proof, what):
+    """A reason naming the first covariance input of ``names`` that ``proof`` cannot show to be ``what``."""
+    for name in names:
+        if not proof(m.outer[name]):
+            return (f"{_COV_NAMES[name]} is not provably {what} from how it is built (the fused filter reads "
+                    f"its symmetric part and needs {what} inputs to compute what the loop computes)")
+    return None
+
+
+_COV_NAMES = {"P": "the initial covariance P0", "H": "the observation covariance H", "Q": "the state covariance Q"}
+
+
 def _check_pymc_extras(m):
     jitter = _static_float(m, "jitter")
     if jitter is None or not np.isfinite(jitter) or jitter < 0:
         return "the covariance jitter is not a finite non-negative constant"
     if _static_float(m, "fill") is None:
         return "the missing-value sentinel is not a constant"
-    return None
+    # the step symmetrizes R Q R^T itself; it reads P0 and H raw
+    return _unproven(m, ("P", "H"), is_symmetric, "symmetric")
 
 
 def _missing(y, fill):
@@ -160,7 +173,8 @@ def _build_pymc_extras(m):
         "P": res.predicted_cov[1:],
         "a_filtered": res.filtered_state,
         "P_filtered": res.filtered_cov,
-        "ll": res.loglik_obs,
+        # a failed Cholesky factorisation: the loop's (on_error="nan") NaN where the fused filter says -inf
+        "ll": pt.switch(pt.isneginf(res.loglik_obs), np.nan, res.loglik_obs),
     }
     uses = m.uses
     if uses.get("y_hat") or uses.get("F"):
@@ -218,8 +232,10 @@ def _textbook_step(gain, update, intercepts):
 
 
 def _check_textbook(m):
-    if not m.uses.get("ll"):
-        return None
+    # with det(F) the loop runs on through an indefinite F, where the fused filter's Cholesky fails
+    reason = _unproven(m, ("P", "H", "Q"), is_psd, "symmetric positive semi-definite")
+    if reason or not m.uses.get("ll"):
+        return reason
     c = _static_float(m, "log2pi_p")
     p = m.outer["y"].type.shape[-1]
     if p is None:
@@ -235,13 +251,17 @@ def _build_textbook(m):
     m_dim, p_dim = o["a"].shape[-1], y.shape[-1]
     c = o.get("c", pt.zeros((m_dim,), dtype=m.dtype))
     d = o.get("d", pt.zeros((p_dim,), dtype=m.dtype))
-    res = kalman_filter(y, o["a"], o["P"], c, d, o["T"], o["Z"], o["R"], o["H"], o["Q"])
-    # the loop has no missing-data handling: a NaN observation poisons it from that step on
-    bad = pt.gt(pt.cumsum(pt.cast(pt.any(pt.isnan(y), axis=-1), "int64")), 0)
+    # The loop has no missing-data handling: a NaN observation poisons its states and log-likelihoods from
+    # that step on, while its covariances, which never read y, stay finite.  The fused filter skips NaN
+    # rows, so it runs on y with NaN read as 0 (the covariance recursion is the loop's) and the poisoned
+    # entries are set to NaN afterwards.
+    missing = pt.isnan(y)
+    bad = pt.gt(pt.cumsum(pt.cast(pt.any(missing, axis=-1), "int64")), 0)
+    res = kalman_filter(pt.switch(missing, 0.0, y), o["a"], o["P"], c, d, o["T"], o["Z"], o["R"], o["H"], o["Q"])
     nan = np.array(np.nan, dtype=res.loglik_obs.dtype)
     return {
         "a": pt.switch(bad[:, None], nan, res.predicted_state[1:]),
-        "P": pt.switch(pt.any(bad), nan, res.predicted_cov[1:]),
+        "P": res.predicted_cov[1:],
         "ll": pt.switch(bad, nan, res.loglik_obs),
     }
 

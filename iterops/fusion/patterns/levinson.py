@@ -1,4 +1,4 @@
-r"""The Levinson-Durbin recursion as a Scan -> :func:`iterops.ts.levinson_durbin`.
+r"""The Levinson-Durbin recursion as a Scan -> the same recursion fused (:mod:`iterops.ts.levinson_recursion`).
 
 ``levinson_durbin`` (Durbin's recursion over ``k = 0..p-1``, the coefficients
 carried in a zero-padded vector of length ``p``)::
@@ -20,26 +20,31 @@ Recognized spellings: the inner product as ``pt.sum(phi[:k] * g)`` or
 canonicalization makes equal); the per-step ``kappa`` output is optional.
 Argument order, names, output order: free.
 
-Exact algorithm: the replacement runs the same recursion in one kernel, so
-``phi``, ``sigma2`` and the partial autocorrelations agree to rounding.
-Conditions checked on the outer graph (otherwise the Scan stays): the loop
-index is ``arange`` counting from 0; ``n_steps`` is a constant ``p`` and the
-coefficients start as ``p`` zeros; ``v`` starts as ``gamma[0]`` of the same
-``gamma``; only the final ``phi`` and ``v`` are used (the ``kappa`` trace may
-be).  Failure differs in form only: where the loop divides by a
-non-positive ``v`` and produces inf/NaN, the fused Op returns NaN for every
-output (a non-positive-definite autocovariance sequence).
+Replacement: :func:`iterops.ts.levinson_recursion.levinson_recursion`, the
+same recursion in one kernel in the loop's dtype, without early exits: on
+every input the loop runs on (a non-positive-definite sequence included,
+where ``|kappa| >= 1`` and the loop goes on with finite numbers, or
+``gamma_0 = 0``, where it divides by zero) ``phi``, ``sigma2`` and ``kappa``
+agree to rounding, and gradients are the exact adjoint of the recursion
+(autodiff of the loop).  Autocovariances shorter than ``order + 1`` make the
+loop's ``gamma[k + 1]`` raise an ``IndexError``; the replacement raises one
+too.  Conditions checked on the outer graph (otherwise the Scan stays): the
+loop index is ``arange`` counting from 0; ``n_steps`` is a constant ``p`` and
+the coefficients start as ``p`` zeros; ``v`` starts as ``gamma[0]`` of the
+same ``gamma``; only the final ``phi`` and ``v`` are used (the ``kappa``
+trace may be).
 """
 
 from __future__ import annotations
 
 import pytensor.tensor as pt
+from pytensor.raise_op import CheckAndRaise
 from pytensor.tensor.subtensor import Subtensor, indices_from_subtensor
 
 from iterops.fusion.matcher import constant_value
 from iterops.fusion.patterns._common import is_counter_sequence
 from iterops.fusion.registry import Pattern, Role, register_pattern
-from iterops.ts.levinson import levinson_durbin
+from iterops.ts.levinson_recursion import levinson_recursion
 
 __all__: list[str] = []
 
@@ -92,14 +97,19 @@ def _check(m):
     return None
 
 
+_TOO_SHORT = CheckAndRaise(IndexError, "the loop reads gamma[order], past the end of the autocovariances")
+
+
 def _build(m):
-    res = levinson_durbin(m.outer["gamma"], _order(m))
-    return {"phi": res.ar, "v": res.sigma2, "kappa": res.pacf}
+    p, gamma = _order(m), m.outer["gamma"]
+    gamma = _TOO_SHORT(gamma, pt.ge(gamma.shape[0], p + 1))
+    res = levinson_recursion(gamma, p)
+    return {"phi": res.phi, "v": res.sigma2, "kappa": res.kappa}
 
 
 register_pattern(Pattern(
     name="levinson_durbin",
-    replaces_with="iterops.ts.levinson_durbin",
+    replaces_with="iterops.ts.levinson_recursion",
     step=tuple(_step(i, g) for i in ("sum", "dot") for g in ("reverse", "slice")),
     sequences=(Role("k", 0, dtype="int64"),),
     states=(Role("phi", 1), Role("v", 0)),

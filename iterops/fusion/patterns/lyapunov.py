@@ -1,9 +1,10 @@
-r"""Lyapunov loops -> :func:`iterops.solve_discrete_lyapunov`.
+r"""Lyapunov loops -> the same iteration fused (:mod:`iterops.linalg.lyapunov_iteration`).
 
-Both loops compute the series :math:`X = \sum_k A^k Q (A^T)^k`, the solution of
-``A X A^T - X + Q = 0``:
+Both loops sum the series :math:`X = \sum_k A^k Q (A^T)^k`, the solution of
+``A X A^T - X + Q = 0`` when ``A`` is stable:
 
-``lyapunov_doubling`` (Smith's doubling, seed 003)::
+``lyapunov_doubling`` (Smith's doubling, the loop PyMC users write for a
+stationary covariance)::
 
     def step(alpha, gamma, tol):
         new_gamma = gamma + alpha @ gamma @ alpha.T
@@ -18,46 +19,38 @@ Both loops compute the series :math:`X = \sum_k A^k Q (A^T)^k`, the solution of
         return X_new, until(pt.max(pt.abs(X_new - X)) < tol)
 
 Accepted stop rules: max-abs change ``<`` or ``<=`` tol, ``all(|change| < tol)``,
-Frobenius norm of the change ``< tol`` (either sign of the change); ``tol`` a
-non-sequence or a constant.
+Frobenius norm of the change ``< tol`` (either sign of the change), or none
+(``n_steps`` iterations); ``tol`` a non-sequence or a constant.
 
-Accuracy of the replacement: ``solve_discrete_lyapunov(A, Q, method="doubling")``
-sums the same series until its relative change is below machine epsilon, so
-it is at least as accurate as the loop; the two differ by the loop's own
-truncation error (for the doubling loop at most about ``tol``; for the
-fixed-point loop about ``tol / (1 - rho(A)^2)``).  For an unstable ``A`` both
-diverge: the loop returns huge/inf values, the replacement NaN.
+Replacement: :func:`iterops.linalg.lyapunov_iteration.smith_doubling_loop`
+and :func:`~iterops.linalg.lyapunov_iteration.lyapunov_fixed_point_loop`, one
+Numba kernel that runs *the loop's own iteration* from the loop's own start
+values, with its stop rule, tolerance and ``n_steps`` guard, in the loop's
+dtype; its gradient is the exact adjoint of the iteration as run (what
+autodiff of the Scan computes).  So the replacement is exact on every input
+the loop runs on: unit roots whose limit depends on the start value,
+rotations that never converge, multi-scale solutions, a loop stopped by its
+guard, ``n_steps`` of 0 (an untraced ``alpha`` keeps its start value; reading
+``gammas[-1]`` of an empty trace raises as in the loop), an unstable ``A``
+(overflow to inf/NaN as in the loop).  Rounding may differ in the last bits
+(products are associated as written in the reference), which can move a stop
+decision taken exactly at the tolerance by one step.
 
-Safety rules (otherwise the Scan stays):
-
-* only the final ``X`` (``gamma``) is used, never intermediate iterates;
-  ``alpha`` is unused;
-* the doubling loop stops on convergence (``until``), with ``n_steps``
-  symbolic (a max-iteration guard) or a constant >= 30 (2^30 summed terms); a
-  doubling loop *without* a stop needs a constant ``n_steps >= 60`` (2^60
-  terms: the infinite sum to rounding for every spectral radius below
-  1 - 1e-15);
-* the fixed-point loop stops on convergence with ``n_steps`` symbolic or a
-  constant >= 500; without a stop it is a truncated series and stays a Scan;
-* ``A`` and ``Q`` are not statically non-square.
-
-A loop that reaches its symbolic max-iteration guard before its stop rule
-returns a truncated sum; the replacement returns the converged one.
+Conditions (otherwise the Scan stays): only the final ``gamma`` / ``alpha``
+(``X``) are used, never intermediate iterates; ``A`` and ``Q`` are not
+statically non-square; the general matcher's conditions (no truncated
+gradient, no narrowing cast in the step, ...).
 """
 
 from __future__ import annotations
 
 from pytensor.scan.utils import until
 
-from iterops.fusion.patterns._common import CONVERGENCE_STOPS, static_square
+from iterops.fusion.patterns._common import CONVERGENCE_STOPS, CONVERGENCE_STOP_KINDS, static_square
 from iterops.fusion.registry import Pattern, Role, register_pattern
-from iterops.linalg.lyapunov import solve_discrete_lyapunov
+from iterops.linalg.lyapunov_iteration import lyapunov_fixed_point_loop, smith_doubling_loop
 
 __all__: list[str] = []
-
-DOUBLING_MIN_STEPS_WITH_STOP = 30
-DOUBLING_MIN_STEPS_WITHOUT_STOP = 60
-FIXED_POINT_MIN_STEPS = 500
 
 
 def _doubling_step(stop):
@@ -72,30 +65,28 @@ def _doubling_step_no_stop(alpha, gamma, tol):
     return alpha @ alpha, gamma + alpha @ gamma @ alpha.T
 
 
+#: the stop rule of each reference variant (the last has none)
+_DOUBLING_STOPS = (*CONVERGENCE_STOP_KINDS, None)
+
+
 def _check_doubling(m):
-    n = m.n_steps_value()
-    if m.as_while:
-        if n is not None and n < DOUBLING_MIN_STEPS_WITH_STOP:
-            return (f"n_steps={n} may stop the doubling before it converges "
-                    f"(needs a symbolic guard or >= {DOUBLING_MIN_STEPS_WITH_STOP})")
-    elif n is None or n < DOUBLING_MIN_STEPS_WITHOUT_STOP:
-        return (f"the loop has no convergence stop and n_steps={'symbolic' if n is None else n} "
-                f"(a fixed count needs >= {DOUBLING_MIN_STEPS_WITHOUT_STOP} doublings to reach the sum)")
     return static_square("A (alpha's initial value)", m.outer["alpha"]) or static_square(
         "Q (gamma's initial value)", m.outer["gamma"])
 
 
 def _build_doubling(m):
-    return {"gamma": solve_discrete_lyapunov(m.outer["alpha"], m.outer["gamma"], method="doubling")}
+    alpha, gamma = smith_doubling_loop(m.outer["alpha"], m.outer["gamma"], m.outer.get("tol", 0.0), m.n_steps,
+                                       stop=_DOUBLING_STOPS[m.variant])
+    return {"alpha": alpha, "gamma": gamma}
 
 
 register_pattern(Pattern(
     name="lyapunov_doubling",
-    replaces_with="iterops.solve_discrete_lyapunov",
+    replaces_with="iterops.linalg.smith_doubling_loop",
     step=(*(_doubling_step(s) for s in CONVERGENCE_STOPS), _doubling_step_no_stop),
     states=(Role("alpha", 2), Role("gamma", 2)),
     non_sequences=(Role("tol", 0, constant_ok=True),),
-    provides={"alpha": None, "gamma": "last"},
+    provides={"alpha": "last", "gamma": "last"},
     check=_check_doubling,
     build=_build_doubling,
     doc="Smith doubling gamma <- gamma + alpha gamma alpha^T, alpha <- alpha^2",
@@ -110,26 +101,32 @@ def _fixed_point_step(stop):
     return step
 
 
+def _fixed_point_step_no_stop(X, A, Q, tol):
+    return A @ X @ A.T + Q
+
+
+#: the stop rule of each reference variant (the last has none)
+_FIXED_POINT_STOPS = (*CONVERGENCE_STOP_KINDS, None)
+
+
 def _check_fixed_point(m):
-    n = m.n_steps_value()
-    if n is not None and n < FIXED_POINT_MIN_STEPS:
-        return (f"n_steps={n} may stop the fixed-point iteration before it converges "
-                f"(needs a symbolic guard or >= {FIXED_POINT_MIN_STEPS})")
     return static_square("A", m.outer["A"]) or static_square("Q", m.outer["Q"])
 
 
 def _build_fixed_point(m):
-    return {"X": solve_discrete_lyapunov(m.outer["A"], m.outer["Q"], method="doubling")}
+    X = lyapunov_fixed_point_loop(m.outer["A"], m.outer["Q"], m.outer["X"], m.outer.get("tol", 0.0), m.n_steps,
+                                  stop=_FIXED_POINT_STOPS[m.variant])
+    return {"X": X}
 
 
 register_pattern(Pattern(
     name="lyapunov_fixed_point",
-    replaces_with="iterops.solve_discrete_lyapunov",
-    step=tuple(_fixed_point_step(s) for s in CONVERGENCE_STOPS),
+    replaces_with="iterops.linalg.lyapunov_fixed_point_loop",
+    step=(*(_fixed_point_step(s) for s in CONVERGENCE_STOPS), _fixed_point_step_no_stop),
     states=(Role("X", 2),),
     non_sequences=(Role("A", 2), Role("Q", 2), Role("tol", 0, constant_ok=True)),
     provides={"X": "last"},
     check=_check_fixed_point,
     build=_build_fixed_point,
-    doc="fixed point X <- A X A^T + Q until converged",
+    doc="fixed point X <- A X A^T + Q (until converged, or n_steps times)",
 ))

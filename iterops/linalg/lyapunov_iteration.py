@@ -1,0 +1,716 @@
+r"""Lyapunov loops as the user runs them: one fused Numba kernel, the exact adjoint of the recursion.
+
+:func:`iterops.solve_discrete_lyapunov` returns the *solution* of
+``A X A^T - X + Q = 0``.  A loop that iterates towards it returns something
+else whenever it stops early (the user's tolerance, a max-iteration guard) or
+the solution is not what it converges to (a unit root that ``Q`` does not
+excite, a rotation, an unstable ``A``).  The two Ops here run **the loop
+itself**, so they return the loop's values and gradients (to rounding) for
+every input on which the loop runs:
+
+``smith_doubling_loop`` (Smith's doubling), with ``alpha_0 = A``, ``gamma_0 = Q``:
+
+.. math::  \alpha_{k+1} = \alpha_k \alpha_k,\qquad
+           \gamma_{k+1} = \gamma_k + (\alpha_k \gamma_k) \alpha_k^T
+
+``lyapunov_fixed_point_loop``, from ``X_0``:
+
+.. math::  X_{k+1} = (A X_k) A^T + Q
+
+Each runs ``k = 0 .. n_steps - 1`` and stops after the first step whose change
+``d = new - old`` (of ``gamma`` or ``X``) satisfies the stop rule (that step's
+values are kept): ``"max_lt"`` ``max|d| < tol``, ``"max_le"`` ``max|d| <= tol``,
+``"fro_lt"`` ``sqrt(sum d^2) < tol`` (summed in the loop dtype, like
+``pt.linalg.norm``), ``None`` no stop (exactly ``n_steps`` steps).  The change
+is compared with ``tol`` in float64 (as PyTensor's upcast comparison does);
+a NaN change or a NaN ``tol`` never stops the loop (NaN compares false).
+``n_steps <= 0`` runs no step and returns the initial values.
+
+Arithmetic follows the user's loop: the same association of products, in the
+loop's dtype (float32 stays float32; for the doubling loop ``alpha`` keeps
+``A``'s dtype and ``gamma`` the upcast of ``A`` and ``Q``).
+
+Failure is a value: the kernels never raise and never loop beyond ``n_steps``;
+overflow (an unstable ``A``) gives inf/NaN that propagate as in the loop.
+
+Gradients: the reverse-mode adjoint of the recursion *as run* -- what
+PyTensor's autodiff of the Scan computes: the number of steps taken is a
+constant and the stop rule is not differentiated.  The adjoint kernel runs the
+loop again keeping every iterate (memory ``O(steps run * m^2)``, as the Scan's
+gradient), then goes back from the last step.  With cotangents ``Ga``, ``Gg``
+of ``alpha_{k+1}``, ``gamma_{k+1}`` (matrix calculus, e.g. Giles 2008,
+"Collected matrix derivative results for forward and reverse mode AD"):
+
+.. math::
+    \bar\gamma_k = \bar\gamma_{k+1} + \alpha_k^T \bar\gamma_{k+1} \alpha_k,\qquad
+    \bar\alpha_k = \bar\alpha_{k+1}\alpha_k^T + \alpha_k^T\bar\alpha_{k+1}
+                 + \bar\gamma_{k+1}\alpha_k\gamma_k^T + \bar\gamma_{k+1}^T\alpha_k\gamma_k ,
+
+``A_bar = alpha_bar_0``, ``Q_bar = gamma_bar_0``; and for the fixed point (``X0_bar = X_bar_0``)
+
+.. math::
+    \bar X_k = A^T \bar X_{k+1} A,\qquad
+    \bar Q = \sum_{k\ge 1} \bar X_k,\qquad
+    \bar A = \sum_{k\ge 0} \bar X_{k+1} A X_k^T + \bar X_{k+1}^T A X_k ,
+
+``tol`` gets a zero gradient, ``n_steps`` none (disconnected).  First-order
+reverse mode only: forward mode and second derivatives are not implemented
+(the gradient Ops raise PyTensor's ``NullTypeGradError`` when differentiated).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import types
+import pytensor.tensor as pt
+from pytensor.gradient import DisconnectedType, disconnected_type, grad_not_implemented
+from pytensor.graph.basic import Apply
+from pytensor.tensor.variable import TensorVariable
+
+from iterops._fused import (
+    FusedOp, OpaqueKernel, apply_batched, data_ptr, entry_point, keep_alive, register_fused_op,
+)
+from iterops._validate import as_tensor, check_dim_match, check_square, float_dtype
+
+__all__ = [
+    "smith_doubling_loop",
+    "lyapunov_fixed_point_loop",
+    "SmithDoublingLoop",
+    "SmithDoublingLoopGrad",
+    "LyapunovFixedPointLoop",
+    "LyapunovFixedPointLoopGrad",
+]
+
+#: stop rule of the user's ``until(...)``, as a kernel code
+_STOPS = {None: 0, "max_lt": 1, "max_le": 2, "fro_lt": 3}
+
+# ---------------------------------------------------------------------------
+# Kernels (the single implementation)
+# ---------------------------------------------------------------------------
+
+
+@numba.njit(cache=True)
+def _mm(X, Y, out, tX=False, tY=False, accumulate=False):
+    """``out = op(X) @ op(Y)`` (``+=`` with ``accumulate``), ``op`` a transpose where flagged.
+
+    Plain loops summed in ``out``'s dtype (``X``, ``Y`` may be narrower: their entries are
+    upcast exactly, as PyTensor's ``Dot`` does).  Sized for the small state dimensions of
+    these loops; no BLAS call, so kernels stay quick to compile.
+    """
+    n = X.shape[1] if tX else X.shape[0]
+    k = X.shape[0] if tX else X.shape[1]
+    m = Y.shape[0] if tY else Y.shape[1]
+    for i in range(n):
+        for j in range(m):
+            s = out.dtype.type(0)
+            for l in range(k):
+                s += (X[l, i] if tX else X[i, l]) * (Y[j, l] if tY else Y[l, j])
+            out[i, j] = out[i, j] + s if accumulate else s
+
+
+@numba.njit(cache=True)
+def _stopped(new, old, tol, stop):
+    """The user's ``until(stop(new, old, tol))``; False whenever the change is NaN."""
+    if stop == 0:
+        return False
+    m, p = new.shape
+    if stop == 3:  # pt.linalg.norm(new - old) < tol: sum of squares in the loop dtype
+        s = new.dtype.type(0)
+        for i in range(m):
+            for j in range(p):
+                d = new[i, j] - old[i, j]
+                s += d * d
+        return np.float64(np.sqrt(s)) < tol
+    mx = -np.inf  # pt.max(pt.abs(new - old)), NaN-propagating like PyTensor's Max
+    for i in range(m):
+        for j in range(p):
+            a = np.abs(new[i, j] - old[i, j])
+            if a != a or a > mx:
+                mx = a
+    return mx < tol if stop == 1 else mx <= tol
+
+
+@numba.njit(cache=True)
+def _slot(k, keep):
+    """Buffer slot of iterate ``k``: all iterates kept (for the adjoint) or two alternating."""
+    return k if keep else k % 2
+
+
+@numba.njit(cache=True)
+def _buffer(n_steps, keep, m, dtype):
+    """Iterate buffer (slots, m, m); with ``keep`` it starts small and :func:`_grow` doubles it."""
+    return np.empty((min(n_steps, 15) + 1 if keep else 2, m, m), dtype=dtype)
+
+
+@numba.njit(cache=True)
+def _grow(buf, n_steps):
+    """``buf`` with twice the slots (at most ``n_steps + 1``), the old ones copied."""
+    new = np.empty((min(2 * buf.shape[0] - 1, n_steps) + 1, buf.shape[1], buf.shape[2]), dtype=buf.dtype)
+    new[: buf.shape[0]] = buf
+    return new
+
+
+# --- Smith doubling --------------------------------------------------------
+
+
+@numba.njit(cache=True)
+def _doubling_step(alpha, gamma, alpha_new, gamma_new, work):
+    """``gamma_new = gamma + (alpha gamma) alpha^T``, ``alpha_new = alpha alpha`` (the user's association)."""
+    _mm(alpha, gamma, work)
+    _mm(work, alpha, gamma_new, tY=True)
+    gamma_new += gamma
+    _mm(alpha, alpha, alpha_new)
+
+
+@numba.njit(cache=True)
+def _doubling_step_vjp(alpha, gamma, Ga, Gg, Ga_out, Gg_out, P, W):
+    """Cotangents of (alpha, gamma) before a step from those after it (module docstring)."""
+    _mm(Gg, alpha, P)                                 # P = Gg alpha
+    _mm(alpha, P, Gg_out, tX=True)                    # Gg_out = Gg + alpha^T Gg alpha
+    Gg_out += Gg
+    _mm(Ga, alpha, Ga_out, tY=True)                   # Ga_out = Ga alpha^T + alpha^T Ga   (alpha alpha)
+    _mm(alpha, Ga, Ga_out, tX=True, accumulate=True)
+    _mm(P, gamma, Ga_out, tY=True, accumulate=True)   #        + Gg alpha gamma^T          (alpha gamma alpha^T)
+    _mm(alpha, gamma, W)
+    _mm(Gg, W, Ga_out, tX=True, accumulate=True)      #        + Gg^T alpha gamma
+
+
+@numba.njit(cache=True)
+def _doubling_run(A, Q, tol, n_steps, stop, keep):
+    """Run the doubling loop: (alphas, gammas, steps run), iterate ``k`` in slot ``_slot(k, keep)``."""
+    m = A.shape[0]
+    n_steps = max(n_steps, 0)
+    alphas = _buffer(n_steps, keep, m, A.dtype)
+    gammas = _buffer(n_steps, keep, m, Q.dtype)
+    alphas[0] = A
+    gammas[0] = Q
+    work = np.empty((m, m), dtype=Q.dtype)
+    k = 0
+    while k < n_steps:
+        if keep and k + 1 == alphas.shape[0]:
+            alphas = _grow(alphas, n_steps)
+            gammas = _grow(gammas, n_steps)
+        old, new = _slot(k, keep), _slot(k + 1, keep)
+        _doubling_step(alphas[old], gammas[old], alphas[new], gammas[new], work)
+        k += 1
+        if _stopped(gammas[new], gammas[old], tol, stop):
+            break
+    return alphas, gammas, k
+
+
+@numba.njit(cache=True)
+def smith_doubling_kernel(A, Q, tol, n_steps, stop):
+    """Final ``(alpha, gamma)`` of the doubling loop for one (m, m) system.
+
+    ``A``: (m, m) float; ``Q``: (m, m) float of the dtype ``gamma`` takes;
+    ``tol`` float64; ``n_steps`` int; ``stop`` a code of ``_STOPS``.
+    """
+    alphas, gammas, n_run = _doubling_run(A, Q, tol, n_steps, stop, False)
+    last = _slot(n_run, False)
+    return alphas[last], gammas[last]
+
+
+@numba.njit(cache=True)
+def smith_doubling_adjoint_kernel(A, Q, tol, n_steps, stop, Ga, Gg):
+    """``(A_bar, Q_bar)`` from cotangents ``Ga``, ``Gg`` of the final (alpha, gamma).
+
+    Reverse pass in ``Q``'s dtype; ``A_bar`` is returned in ``A``'s.
+    """
+    alphas, gammas, n_run = _doubling_run(A, Q, tol, n_steps, stop, True)
+    m = A.shape[0]
+    Ga_k = Ga.astype(Q.dtype)
+    Gg_k = Gg.astype(Q.dtype)
+    Ga_prev = np.empty_like(Ga_k)
+    Gg_prev = np.empty_like(Gg_k)
+    P = np.empty((m, m), dtype=Q.dtype)
+    W = np.empty((m, m), dtype=Q.dtype)
+    for k in range(n_run - 1, -1, -1):
+        _doubling_step_vjp(alphas[k], gammas[k], Ga_k, Gg_k, Ga_prev, Gg_prev, P, W)
+        Ga_k, Ga_prev = Ga_prev, Ga_k
+        Gg_k, Gg_prev = Gg_prev, Gg_k
+    return Ga_k.astype(A.dtype), Gg_k
+
+
+# --- Fixed point -----------------------------------------------------------
+
+
+@numba.njit(cache=True)
+def _fixed_point_step(A, Q, X, X_new, work):
+    """``X_new = (A X) A^T + Q`` (the user's association)."""
+    _mm(A, X, work)
+    _mm(work, A, X_new, tY=True)
+    X_new += Q
+
+
+@numba.njit(cache=True)
+def _fixed_point_step_vjp(A, X, G, G_out, GA, GQ, P, W):
+    """Cotangent of ``X_k`` from that of ``X_{k+1}`` (``G``); accumulates ``GA``, ``GQ``."""
+    GQ += G                                     # Q_bar  += G
+    _mm(G, A, P)                                # P = G A
+    _mm(A, P, G_out, tX=True)                   # G_out = A^T G A
+    _mm(P, X, GA, tY=True, accumulate=True)     # A_bar  += G A X^T
+    _mm(A, X, W)
+    _mm(G, W, GA, tX=True, accumulate=True)     #         + G^T A X
+
+
+@numba.njit(cache=True)
+def _fixed_point_run(A, Q, X0, tol, n_steps, stop, keep):
+    """Run the fixed-point loop: (Xs, steps run), iterate ``k`` in slot ``_slot(k, keep)``."""
+    m = A.shape[0]
+    n_steps = max(n_steps, 0)
+    Xs = _buffer(n_steps, keep, m, X0.dtype)
+    Xs[0] = X0
+    work = np.empty((m, m), dtype=X0.dtype)
+    k = 0
+    while k < n_steps:
+        if keep and k + 1 == Xs.shape[0]:
+            Xs = _grow(Xs, n_steps)
+        old, new = _slot(k, keep), _slot(k + 1, keep)
+        _fixed_point_step(A, Q, Xs[old], Xs[new], work)
+        k += 1
+        if _stopped(Xs[new], Xs[old], tol, stop):
+            break
+    return Xs, k
+
+
+@numba.njit(cache=True)
+def lyapunov_fixed_point_kernel(A, Q, X0, tol, n_steps, stop):
+    """Final ``X`` of the fixed-point loop for one (m, m) system (all three of one float dtype)."""
+    Xs, n_run = _fixed_point_run(A, Q, X0, tol, n_steps, stop, False)
+    return Xs[_slot(n_run, False)]
+
+
+@numba.njit(cache=True)
+def lyapunov_fixed_point_adjoint_kernel(A, Q, X0, tol, n_steps, stop, G):
+    """``(A_bar, Q_bar, X0_bar)`` from the cotangent ``G`` of the final ``X``."""
+    Xs, n_run = _fixed_point_run(A, Q, X0, tol, n_steps, stop, True)
+    m = A.shape[0]
+    G_k = G.astype(X0.dtype)
+    G_prev = np.empty_like(G_k)
+    GA = np.zeros((m, m), dtype=X0.dtype)
+    GQ = np.zeros((m, m), dtype=X0.dtype)
+    P = np.empty((m, m), dtype=X0.dtype)
+    W = np.empty((m, m), dtype=X0.dtype)
+    for k in range(n_run - 1, -1, -1):
+        _fixed_point_step_vjp(A, Xs[k], G_k, G_prev, GA, GQ, P, W)
+        G_k, G_prev = G_prev, G_k
+    return GA, GQ, G_k
+
+
+# ---------------------------------------------------------------------------
+# Ops
+# ---------------------------------------------------------------------------
+
+
+# C-ABI barriers (see :class:`iterops._fused.OpaqueKernel`): a new graph links to these symbols
+# instead of compiling the kernels into itself again.  Arrays travel as (m, m) C-contiguous
+# pointers; results are written into the caller's arrays.
+
+
+def _doubling_abi(A, Q, Ga, Gg, alpha, gamma, m, tol, n_steps, stop, adjoint):
+    """Forward: writes (alpha, gamma).  Adjoint: reads (Ga, Gg), writes (A_bar, Q_bar) into (alpha, gamma)."""
+    A_, Q_ = numba.carray(A, (m, m)), numba.carray(Q, (m, m))
+    if adjoint:
+        Ga_, Gg_ = numba.carray(Ga, (m, m)), numba.carray(Gg, (m, m))
+        a, g = smith_doubling_adjoint_kernel(A_, Q_, tol, n_steps, stop, Ga_, Gg_)
+    else:
+        a, g = smith_doubling_kernel(A_, Q_, tol, n_steps, stop)
+    numba.carray(alpha, (m, m))[:] = a
+    numba.carray(gamma, (m, m))[:] = g
+    return 0
+
+
+def _fixed_point_abi(A, Q, X0, G, X_or_A_bar, Q_bar, X0_bar, m, tol, n_steps, stop, adjoint):
+    """Forward: writes X.  Adjoint: reads G, writes (A_bar, Q_bar, X0_bar)."""
+    A_, Q_, X0_ = numba.carray(A, (m, m)), numba.carray(Q, (m, m)), numba.carray(X0, (m, m))
+    if adjoint:
+        a, q, x = lyapunov_fixed_point_adjoint_kernel(A_, Q_, X0_, tol, n_steps, stop, numba.carray(G, (m, m)))
+        numba.carray(X_or_A_bar, (m, m))[:] = a
+        numba.carray(Q_bar, (m, m))[:] = q
+        numba.carray(X0_bar, (m, m))[:] = x
+    else:
+        numba.carray(X_or_A_bar, (m, m))[:] = lyapunov_fixed_point_kernel(A_, Q_, X0_, tol, n_steps, stop)
+    return 0
+
+
+_PTR = {"float32": types.CPointer(types.float32), "float64": types.CPointer(types.float64)}
+_CONTROL = (types.int64, types.float64, types.int64, types.int64, types.boolean)  # m, tol, n_steps, stop, adjoint
+
+#: (dtype of A / alpha, dtype of Q / gamma) -> kernel
+_DOUBLING_ABI = {
+    (a, q): OpaqueKernel(types.int64(*[_PTR[a], _PTR[q]] * 3, *_CONTROL), _doubling_abi, tag=f"_{a}_{q}")
+    for a, q in (("float32", "float32"), ("float32", "float64"), ("float64", "float64"))
+}
+_FIXED_POINT_ABI = {
+    d: OpaqueKernel(types.int64(*[_PTR[d]] * 7, *_CONTROL), _fixed_point_abi, tag=f"_{d}") for d in _PTR
+}
+
+
+@numba.njit
+def _same_square(*shapes):
+    """All shapes (m, m) with one m (a malformed call raises in the entry points, never in a kernel)."""
+    n = shapes[0][0]
+    ok = True
+    for shape in shapes:
+        ok = ok and shape[0] == n and shape[1] == n
+    return ok
+
+
+@entry_point
+def _doubling_entry(stop: int, a_dtype: str, q_dtype: str, adjoint: bool):
+    """``run(A, Q, tol, n_steps, Ga, Gg) -> (alpha, gamma)`` or, with ``adjoint``, ``(A_bar, Q_bar)``."""
+    abi = _DOUBLING_ABI[a_dtype, q_dtype].external
+    a_t, q_t = np.dtype(a_dtype).type, np.dtype(q_dtype).type
+
+    @numba.njit
+    def run(A, Q, tol, n_steps, Ga, Gg):
+        m = A.shape[0]
+        if not _same_square(A.shape, Q.shape, Ga.shape, Gg.shape):
+            raise ValueError("smith_doubling_loop: A, Q (and cotangents) must all be (m, m) with the same m")
+        # dtypes are the node's (make_node casts); only the layout may need a copy
+        A_, Q_ = np.ascontiguousarray(A), np.ascontiguousarray(Q)
+        Ga_, Gg_ = np.ascontiguousarray(Ga), np.ascontiguousarray(Gg)
+        out_a, out_q = np.empty((m, m), dtype=a_t), np.empty((m, m), dtype=q_t)
+        abi(data_ptr(A_), data_ptr(Q_), data_ptr(Ga_), data_ptr(Gg_), data_ptr(out_a), data_ptr(out_q),
+            m, np.float64(tol.item()), np.int64(n_steps.item()), stop, adjoint)
+        keep_alive((A_, Q_, Ga_, Gg_, out_a, out_q))
+        return out_a, out_q
+
+    @numba.njit
+    def forward(A, Q, tol, n_steps):
+        return run(A, Q, tol, n_steps, A, Q)  # A, Q stand in for the unused cotangents
+
+    return run if adjoint else forward
+
+
+@entry_point
+def _fixed_point_entry(stop: int, dtype: str, adjoint: bool):
+    """``run(A, Q, X0, tol, n_steps, G) -> X`` or, with ``adjoint``, ``(A_bar, Q_bar, X0_bar)``."""
+    abi = _FIXED_POINT_ABI[dtype].external
+    t = np.dtype(dtype).type
+
+    @numba.njit
+    def run(A, Q, X0, tol, n_steps, G):
+        m = A.shape[0]
+        if not _same_square(A.shape, Q.shape, X0.shape, G.shape):
+            raise ValueError("lyapunov_fixed_point_loop: A, Q, X0 (and G) must all be (m, m) with the same m")
+        # dtypes are the node's (make_node casts); only the layout may need a copy
+        A_, Q_ = np.ascontiguousarray(A), np.ascontiguousarray(Q)
+        X0_, G_ = np.ascontiguousarray(X0), np.ascontiguousarray(G)
+        out = np.empty((3, m, m), dtype=t)
+        abi(data_ptr(A_), data_ptr(Q_), data_ptr(X0_), data_ptr(G_),
+            data_ptr(out[0]), data_ptr(out[1]), data_ptr(out[2]),
+            m, np.float64(tol.item()), np.int64(n_steps.item()), stop, adjoint)
+        keep_alive((A_, Q_, X0_, G_, out))
+        return out[0], out[1], out[2]
+
+    @numba.njit
+    def forward(A, Q, X0, tol, n_steps):
+        return run(A, Q, X0, tol, n_steps, X0)[0]  # X0 stands in for the unused cotangent
+
+    return run if adjoint else forward
+
+
+def _control_inputs(tol, n_steps):
+    """``tol`` as float64, ``n_steps`` as int64 (the kernels' types)."""
+    return pt.cast(pt.as_tensor_variable(tol), "float64"), pt.cast(pt.as_tensor_variable(n_steps), "int64")
+
+
+class _LoopOp(FusedOp):
+    """Shared by the loop Ops and their gradients: the stop rule is the only prop."""
+
+    __props__ = ("stop",)
+
+    def __init__(self, stop="max_lt"):
+        if stop not in _STOPS:
+            raise ValueError(f"{type(self).__name__}: stop must be one of {list(_STOPS)}, got {stop!r}")
+        self.stop = stop
+
+    def infer_shape(self, node, input_shapes):
+        return [input_shapes[i] for i in self._output_shape_from]
+
+
+@register_fused_op
+class SmithDoublingLoop(_LoopOp):
+    """Core Op ``(m,m),(m,m),(),()->(m,m),(m,m)``: (A, Q, tol, n_steps) -> (alpha, gamma);
+    use :func:`smith_doubling_loop`."""
+
+    gufunc_signature = "(m,m),(m,m),(),()->(m,m),(m,m)"
+    _output_shape_from = (0, 1)
+
+    def make_node(self, A, Q, tol, n_steps):
+        A, Q = pt.as_tensor_variable(A), pt.as_tensor_variable(Q)
+        A, Q = A.astype(float_dtype(A)), Q.astype(float_dtype(A, Q))
+        tol, n_steps = _control_inputs(tol, n_steps)
+        return Apply(self, [A, Q, tol, n_steps], [A.type(), Q.type()])
+
+    def numba_fn(self, node):
+        return _doubling_entry(_STOPS[self.stop], *(x.type.dtype for x in node.inputs[:2]), False)
+
+    def connection_pattern(self, node):
+        # (alpha, gamma) per input; tol gets a zero gradient, n_steps none
+        return [[True, True], [False, True], [True, True], [False, False]]
+
+    def pullback(self, inputs, outputs, cotangents):
+        A, Q, tol, n_steps = inputs
+        connected = [not isinstance(g.type, DisconnectedType) for g in cotangents]
+        Ga, Gg = (g if c else pt.zeros_like(out) for g, c, out in zip(cotangents, connected, outputs))
+        A_bar, Q_bar = apply_batched(SmithDoublingLoopGrad(self.stop), A, Q, tol, n_steps, Ga, Gg)
+        return [A_bar, Q_bar if connected[1] else disconnected_type(), pt.zeros_like(tol), disconnected_type()]
+
+
+@register_fused_op
+class SmithDoublingLoopGrad(_LoopOp):
+    """Core Op ``(m,m),(m,m),(),(),(m,m),(m,m)->(m,m),(m,m)``: (A, Q, tol, n_steps, Ga, Gg) -> (A_bar, Q_bar),
+    the reverse pass of :class:`SmithDoublingLoop`.  Not differentiable itself."""
+
+    gufunc_signature = "(m,m),(m,m),(),(),(m,m),(m,m)->(m,m),(m,m)"
+    _output_shape_from = (0, 1)
+
+    def make_node(self, A, Q, tol, n_steps, Ga, Gg):
+        A, Q, Ga, Gg = map(pt.as_tensor_variable, (A, Q, Ga, Gg))
+        A, Q = A.astype(float_dtype(A)), Q.astype(float_dtype(A, Q))  # as the forward Op
+        Ga, Gg = Ga.astype(A.type.dtype), Gg.astype(Q.type.dtype)
+        tol, n_steps = _control_inputs(tol, n_steps)
+        return Apply(self, [A, Q, tol, n_steps, Ga, Gg], [A.type(), Q.type()])
+
+    def numba_fn(self, node):
+        return _doubling_entry(_STOPS[self.stop], *(x.type.dtype for x in node.inputs[:2]), True)
+
+    def connection_pattern(self, node):
+        return [[True, True]] * 3 + [[False, False]] + [[True, True]] * 2
+
+    def pullback(self, inputs, outputs, cotangents):
+        return _not_differentiable(self, inputs)
+
+
+@register_fused_op
+class LyapunovFixedPointLoop(_LoopOp):
+    """Core Op ``(m,m),(m,m),(m,m),(),()->(m,m)``: (A, Q, X0, tol, n_steps) -> X;
+    use :func:`lyapunov_fixed_point_loop`."""
+
+    gufunc_signature = "(m,m),(m,m),(m,m),(),()->(m,m)"
+    _output_shape_from = (2,)
+
+    def make_node(self, A, Q, X0, tol, n_steps):
+        A, Q, X0 = map(pt.as_tensor_variable, (A, Q, X0))
+        dtype = float_dtype(A, Q, X0)
+        A, Q, X0 = (x.astype(dtype) for x in (A, Q, X0))
+        tol, n_steps = _control_inputs(tol, n_steps)
+        return Apply(self, [A, Q, X0, tol, n_steps], [X0.type()])
+
+    def numba_fn(self, node):
+        return _fixed_point_entry(_STOPS[self.stop], node.inputs[0].type.dtype, False)
+
+    def connection_pattern(self, node):
+        return [[True], [True], [True], [True], [False]]
+
+    def pullback(self, inputs, outputs, cotangents):
+        A, Q, X0, tol, n_steps = inputs
+        (G,) = cotangents
+        A_bar, Q_bar, X0_bar = apply_batched(LyapunovFixedPointLoopGrad(self.stop), A, Q, X0, tol, n_steps, G)
+        return [A_bar, Q_bar, X0_bar, pt.zeros_like(tol), disconnected_type()]
+
+
+@register_fused_op
+class LyapunovFixedPointLoopGrad(_LoopOp):
+    """Core Op ``(m,m),(m,m),(m,m),(),(),(m,m)->(m,m),(m,m),(m,m)``: (A, Q, X0, tol, n_steps, G) ->
+    (A_bar, Q_bar, X0_bar), the reverse pass of :class:`LyapunovFixedPointLoop`.  Not differentiable itself."""
+
+    gufunc_signature = "(m,m),(m,m),(m,m),(),(),(m,m)->(m,m),(m,m),(m,m)"
+    _output_shape_from = (0, 1, 2)
+
+    def make_node(self, A, Q, X0, tol, n_steps, G):
+        A, Q, X0, G = map(pt.as_tensor_variable, (A, Q, X0, G))
+        dtype = float_dtype(A, Q, X0)
+        A, Q, X0, G = (x.astype(dtype) for x in (A, Q, X0, G))
+        tol, n_steps = _control_inputs(tol, n_steps)
+        return Apply(self, [A, Q, X0, tol, n_steps, G], [A.type(), Q.type(), X0.type()])
+
+    def numba_fn(self, node):
+        return _fixed_point_entry(_STOPS[self.stop], node.inputs[0].type.dtype, True)
+
+    def connection_pattern(self, node):
+        return [[True] * 3] * 4 + [[False] * 3] + [[True] * 3]
+
+    def pullback(self, inputs, outputs, cotangents):
+        return _not_differentiable(self, inputs)
+
+
+def _not_differentiable(op, inputs):
+    msg = "Second derivatives of iterops' Lyapunov loops are not implemented."
+    return [
+        disconnected_type() if x.type.dtype.startswith("int") else grad_not_implemented(op, i, x, msg)
+        for i, x in enumerate(inputs)
+    ]
+
+
+# ---------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------
+
+
+def _check_loop_args(func, stop, tol, n_steps):
+    if stop not in _STOPS:
+        raise ValueError(f"{func}: stop must be one of {list(_STOPS)}, got {stop!r}")
+    tol = as_tensor(func, "tol", tol)
+    if tol.type.numpy_dtype.kind == "c":
+        raise TypeError(f"{func}: tol must be real, got tol with dtype {tol.type.dtype}")
+    n_steps = as_tensor(func, "n_steps", n_steps)
+    if n_steps.type.numpy_dtype.kind not in "iu":
+        raise TypeError(
+            f"{func}: n_steps must be an integer, got n_steps with dtype {n_steps.type.dtype} "
+            f"and shape {n_steps.type.shape}"
+        )
+    return tol, n_steps
+
+
+def _real_matrix(func, name, x):
+    x = as_tensor(func, name, x, min_ndim=2)
+    if x.type.numpy_dtype.kind == "c":
+        raise TypeError(f"{func}: complex {name} is not supported, got {name} with dtype {x.type.dtype}")
+    check_square(func, name, x)
+    return x
+
+
+def _check_same_m(func, **mats):
+    (name0, x0), *rest = mats.items()
+    for name, x in rest:
+        check_dim_match(func, name0, x0.type.shape[-1], name, x.type.shape[-1],
+                        f"{name0} and {name} must have the same m (last dimension)")
+
+
+def smith_doubling_loop(A, Q, tol, n_steps, stop="max_lt") -> tuple[TensorVariable, TensorVariable]:
+    r"""Run Smith's doubling loop as written, in one fused kernel: ``(alpha, gamma)`` after it stops.
+
+    ``alpha_0 = A``, ``gamma_0 = Q``; for ``k = 0 .. n_steps - 1``
+
+    .. math::  \alpha_{k+1} = \alpha_k \alpha_k,\qquad
+               \gamma_{k+1} = \gamma_k + (\alpha_k \gamma_k) \alpha_k^T ,
+
+    stopping after the first step where ``stop(gamma_{k+1}, gamma_k, tol)``
+    holds.  For a stable ``A``, ``gamma_k`` is the partial sum of the first
+    ``2^k`` terms of the solution ``X = sum_j A^j Q (A^T)^j`` of
+    ``A X A^T - X + Q = 0``; unlike :func:`iterops.solve_discrete_lyapunov` this
+    returns what the loop returns, also when it stops early or ``A`` is not
+    stable.
+
+    Parameters
+    ----------
+    A : tensor, shape (..., m, m)
+        Real.  ``alpha`` keeps its dtype (integers become floatX).
+    Q : tensor, shape (..., m, m)
+        Real.  ``gamma`` takes the upcast dtype of ``A`` and ``Q``.
+    tol : scalar tensor, shape (...)
+        Stopping tolerance (compared in float64).  Negative or NaN: never stops.
+    n_steps : integer scalar tensor, shape (...)
+        Maximum number of steps (the Scan's ``n_steps``); ``<= 0`` runs none.
+    stop : {"max_lt", "max_le", "fro_lt", None}
+        ``max|d| < tol``, ``max|d| <= tol``, ``||d||_F < tol`` with
+        ``d = gamma_{k+1} - gamma_k``, or no stop (exactly ``n_steps`` steps).
+        Leading dimensions of all arguments broadcast.
+
+    Returns
+    -------
+    alpha, gamma : tensors, shape (broadcast(...), m, m)
+        ``A^(2^K)`` and the ``K``-th partial sum, ``K`` the number of steps run.
+
+    Replaces the Scan::
+
+        def step(alpha, gamma, tol):
+            new_gamma = gamma + alpha @ gamma @ alpha.T
+            return (alpha @ alpha, new_gamma), until(pt.max(pt.abs(new_gamma - gamma)) < tol)
+        (alphas, gammas), _ = pytensor.scan(step, outputs_info=[A, Q], non_sequences=[tol], n_steps=n_steps)
+        alpha, gamma = alphas[-1], gammas[-1]
+
+    (except that ``n_steps <= 0``, where that Scan fails to index its empty
+    result, gives ``(A, Q)``).
+
+    Failure is a value: nothing raises at run time; an unstable ``A``
+    overflows to inf/NaN exactly as the loop does, and a NaN change never
+    satisfies the stop, so the loop then runs all ``n_steps`` steps.
+
+    Gradient: the exact adjoint of the steps run (module docstring), with
+    respect to ``A`` and ``Q``, cotangents on either or both outputs; zero for
+    ``tol``, none for ``n_steps``.  First order, reverse mode only.
+
+    Examples
+    --------
+    >>> import numpy as np, iterops
+    >>> alpha, gamma = iterops.linalg.smith_doubling_loop(0.5 * np.eye(2), np.eye(2), tol=1e-12, n_steps=2)
+    >>> gamma.eval()  # two doublings: 1 + 1/4 + 1/16 + 1/64 (the sum is 4/3)
+    array([[1.328125, 0.      ],
+           [0.      , 1.328125]])
+    """
+    func = "smith_doubling_loop"
+    tol, n_steps = _check_loop_args(func, stop, tol, n_steps)
+    A, Q = _real_matrix(func, "A", A), _real_matrix(func, "Q", Q)
+    _check_same_m(func, A=A, Q=Q)
+    alpha, gamma = apply_batched(SmithDoublingLoop(stop), A, Q, tol, n_steps)
+    return alpha, gamma
+
+
+def lyapunov_fixed_point_loop(A, Q, X0, tol, n_steps, stop="max_lt") -> TensorVariable:
+    r"""Run the fixed-point Lyapunov loop as written, in one fused kernel: ``X`` after it stops.
+
+    From ``X_0``, for ``k = 0 .. n_steps - 1``
+
+    .. math::  X_{k+1} = (A X_k) A^T + Q ,
+
+    stopping after the first step where ``stop(X_{k+1}, X_k, tol)`` holds.
+    For a stable ``A`` it converges (linearly, rate ``rho(A)^2``) to the
+    solution of ``A X A^T - X + Q = 0``; this returns the iterate the loop
+    stops at, also when that is not the solution (an early stop, a unit root
+    that ``Q`` does not excite: that part of ``X_0`` is kept; a rotation).
+
+    Parameters
+    ----------
+    A, Q, X0 : tensors, shape (..., m, m)
+        Real; computed in their upcast dtype (float32 stays float32).
+    tol : scalar tensor, shape (...)
+        Stopping tolerance (compared in float64).  Negative or NaN: never stops.
+    n_steps : integer scalar tensor, shape (...)
+        Maximum number of steps (the Scan's ``n_steps``); ``<= 0`` runs none.
+    stop : {"max_lt", "max_le", "fro_lt", None}
+        ``max|d| < tol``, ``max|d| <= tol``, ``||d||_F < tol`` with
+        ``d = X_{k+1} - X_k``, or no stop (exactly ``n_steps`` steps).
+        Leading dimensions of all arguments broadcast.
+
+    Returns
+    -------
+    X : tensor, shape (broadcast(...), m, m)
+
+    Replaces the Scan::
+
+        def step(X, A, Q, tol):
+            X_new = A @ X @ A.T + Q
+            return X_new, until(pt.max(pt.abs(X_new - X)) < tol)
+        Xs, _ = pytensor.scan(step, outputs_info=[X0], non_sequences=[A, Q, tol], n_steps=n_steps)
+        X = Xs[-1]
+
+    (except that ``n_steps <= 0``, where that Scan fails to index its empty
+    result, gives ``X0``).
+
+    Failure is a value: nothing raises at run time; an unstable ``A``
+    overflows to inf/NaN exactly as the loop does, and a NaN change never
+    satisfies the stop, so the loop then runs all ``n_steps`` steps.
+
+    Gradient: the exact adjoint of the steps run (module docstring) with
+    respect to ``A``, ``Q`` and ``X0``; zero for ``tol``, none for
+    ``n_steps``.  First order, reverse mode only.
+
+    Examples
+    --------
+    >>> import numpy as np, iterops
+    >>> X = iterops.linalg.lyapunov_fixed_point_loop(
+    ...     np.diag([1.0, 0.5]), np.diag([0.0, 1.0]), 1e6 * np.eye(2), 1e-9, 1000)
+    >>> X.eval().round(4)  # the unit root keeps X0's 1e6
+    array([[1.0000e+06, 0.0000e+00],
+           [0.0000e+00, 1.3333e+00]])
+    """
+    func = "lyapunov_fixed_point_loop"
+    tol, n_steps = _check_loop_args(func, stop, tol, n_steps)
+    A, Q, X0 = (_real_matrix(func, name, x) for name, x in (("A", A), ("Q", Q), ("X0", X0)))
+    _check_same_m(func, A=A, Q=Q, X0=X0)
+    return apply_batched(LyapunovFixedPointLoop(stop), A, Q, X0, tol, n_steps)

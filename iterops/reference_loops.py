@@ -1,0 +1,133 @@
+"""The loops iterops replaces, written once as users write them with ``pytensor.scan``.
+
+These are the *specification* of what each fused Op and each Scan-fusion
+pattern must reproduce: tests compare against them (compiled with
+``mode.excluding("iterops")`` so nothing rewrites them), benchmarks time them,
+the demo fits models with them.  Each loop function takes an optional
+``step`` (same signature as the default one) and extra ``pytensor.scan``
+keyword arguments, so the fusion fuzzer can build mutants of exactly these
+loops.
+
+Every step follows ``pytensor.scan``'s calling convention
+``step(*sequences, *states, *non_sequences)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+from pytensor.scan.utils import until
+
+__all__ = [
+    "doubling_step", "doubling_loop", "fixed_point_step", "fixed_point_loop", "block_diag_step", "block_diag_loop",
+    "kalman_textbook_step", "kalman_textbook_loop", "levinson_step", "levinson_loop",
+]
+
+LOG_2PI = float(np.log(2.0 * np.pi))
+
+
+# ---------------------------------------------------------------------------
+# Discrete Lyapunov equation A X A^T - X + Q = 0
+# ---------------------------------------------------------------------------
+
+
+def doubling_step(alpha, gamma, tol):
+    """Smith's doubling: gamma_{k+1} = gamma_k + alpha_k gamma_k alpha_k^T, alpha_{k+1} = alpha_k^2."""
+    new_gamma = gamma + alpha @ gamma @ alpha.T
+    return (alpha @ alpha, new_gamma), until(pt.max(pt.abs(new_gamma - gamma)) < tol)
+
+
+def doubling_loop(A, Q, tol=1e-12, n_steps=100, *, step=doubling_step, **scan_kwargs):
+    """The stationary covariance by Smith doubling until the max-abs change is below ``tol``: ``gammas[-1]``."""
+    _, gammas = pytensor.scan(step, outputs_info=[A, Q], non_sequences=[pt.as_tensor(tol)], n_steps=n_steps,
+                              return_updates=False, **scan_kwargs)
+    return gammas[-1]
+
+
+def fixed_point_step(X, A, Q, tol):
+    """The fixed-point iteration X_{k+1} = A X_k A^T + Q."""
+    X_new = A @ X @ A.T + Q
+    return X_new, until(pt.max(pt.abs(X_new - X)) < tol)
+
+
+def fixed_point_loop(A, Q, X0=None, tol=1e-12, n_steps=5000, *, step=fixed_point_step, **scan_kwargs):
+    """X <- A X A^T + Q from ``X0`` (zeros by default) until the max-abs change is below ``tol``: ``Xs[-1]``."""
+    X0 = pt.zeros_like(Q) if X0 is None else X0
+    Xs = pytensor.scan(step, outputs_info=[X0], non_sequences=[A, Q, pt.as_tensor(tol)], n_steps=n_steps,
+                       return_updates=False, **scan_kwargs)
+    return Xs[-1]
+
+
+# ---------------------------------------------------------------------------
+# Block-diagonal assembly of a (k, n, m) tensor
+# ---------------------------------------------------------------------------
+
+
+def block_diag_step(i, out, x):
+    """Write block ``x[i]`` at block position ``(i, i)``."""
+    n, m = x.shape[1], x.shape[2]
+    return pt.set_subtensor(out[i * n:(i + 1) * n, i * m:(i + 1) * m], x[i])
+
+
+def block_diag_loop(x, *, step=block_diag_step, **scan_kwargs):
+    """``(k, n, m) -> (k n, k m)``: the blocks of ``x`` on the diagonal of a zero matrix."""
+    k, n, m = x.shape
+    outs = pytensor.scan(step, sequences=[pt.arange(k)], outputs_info=[pt.zeros((k * n, k * m), dtype=x.dtype)],
+                         non_sequences=[x], return_updates=False, **scan_kwargs)
+    return outs[-1]
+
+
+# ---------------------------------------------------------------------------
+# Kalman filter, covariance form (Durbin & Koopman 2012, section 4.3)
+# ---------------------------------------------------------------------------
+
+
+def kalman_textbook_step(y, a, P, T, Z, R, H, Q, log2pi_p):
+    """One predict/update step; states are the predictions ``(a_t, P_t)``, the output the log-likelihood.
+
+    ``log2pi_p`` is the constant ``p log(2 pi)``.
+    """
+    v = y - Z @ a
+    F = Z @ P @ Z.T + H
+    F_inv = pt.linalg.inv(F)
+    K = P @ Z.T @ F_inv
+    a_f = a + K @ v
+    P_f = P - K @ Z @ P
+    ll = -0.5 * (log2pi_p + pt.log(pt.linalg.det(F)) + v @ F_inv @ v)
+    return T @ a_f, T @ P_f @ T.T + R @ Q @ R.T, ll
+
+
+def kalman_textbook_loop(y, a0, P0, T, Z, R, H, Q, *, step=kalman_textbook_step, **scan_kwargs):
+    """Returns ``(loglik per step (n,), predicted states (n, m), predicted covariances (n, m, m))``.
+
+    ``y`` must have a static observation dimension ``p`` (for ``p log 2 pi``).
+    """
+    p = y.type.shape[-1]
+    if p is None:
+        raise ValueError(f"kalman_textbook_loop: y needs a static last dimension, got shape {y.type.shape}")
+    log2pi_p = pt.constant(p * LOG_2PI, dtype=y.dtype)
+    a, Ps, ll = pytensor.scan(step, sequences=[y], outputs_info=[a0, P0, None],
+                              non_sequences=[T, Z, R, H, Q, log2pi_p], return_updates=False, **scan_kwargs)
+    return ll, a, Ps
+
+
+# ---------------------------------------------------------------------------
+# Levinson-Durbin recursion for the Yule-Walker equations
+# ---------------------------------------------------------------------------
+
+
+def levinson_step(k, phi, v, gamma):
+    """Durbin's recursion, order k + 1 (Brockwell & Davis, Prop. 5.2.1)."""
+    kappa = (gamma[k + 1] - pt.sum(phi[:k] * gamma[1:k + 1][::-1])) / v
+    new_phi = pt.set_subtensor(phi[:k], phi[:k] - kappa * phi[:k][::-1])
+    new_phi = pt.set_subtensor(new_phi[k], kappa)
+    return new_phi, v * (1 - kappa**2), kappa
+
+
+def levinson_loop(gamma, order, *, step=levinson_step, **scan_kwargs):
+    """AR(order) coefficients from autocovariances ``gamma``: returns ``(phi, sigma2, pacf)``."""
+    phis, vs, kappas = pytensor.scan(step, sequences=[pt.arange(order)],
+                                     outputs_info=[pt.zeros(order, dtype=gamma.dtype), gamma[0], None],
+                                     non_sequences=[gamma], return_updates=False, **scan_kwargs)
+    return phis[-1], vs[-1], kappas

@@ -1,0 +1,521 @@
+"""Mutation fuzzer of the Scan-fusion rewrite: every mutant keeps its Scan or computes what its loop computes.
+
+For each registered pattern a *harness* builds the loop as users write it
+(:mod:`iterops.reference_loops`, or the pattern's own reference step for
+pymc-extras' filter) and evaluates it on random and adversarial inputs (unit
+roots unexcited by Q, multi-scale solutions, start values far from the
+solution, near-singular covariances, non-positive-definite autocovariances,
+too-short sequences, zero-step loops).  Hypothesis (seeded through the
+``ci`` profile) draws one mutation per example:
+
+graph mutations of the step (one node, chosen by index):
+    ``swap`` operands of a non-commutative operation (``-``, ``/``, ``**``,
+    comparisons, matrix products); insert a ``transpose`` of a matrix; drop a
+    transpose; change a ``constant``; ``add`` a small constant; a ``narrow``
+    cast (float64 -> float32/float16 -> float64); ``flip`` a comparison
+    (``<`` / ``<=`` / ``>``); replace an operand by another step ``input`` of
+    the same type (an intermediate or previous state in the update or the
+    stop rule);
+loop mutations:
+    ``truncate_gradient=1``, ``go_backwards=True``, another ``n_steps``
+    (0, 1, 2, 3, negative), another initial state.
+
+The contract (``iterops.fusion``): the graph after :func:`iterops.fuse_loops`
+either still holds a Scan, or its values and gradients equal the unrewritten
+loop's (``mode.excluding("iterops")``), with NaN/inf at the same places, and
+it raises where the loop raises.
+
+Budget: ``ITEROPS_FUZZ_EXAMPLES`` examples per pattern (default 12, about
+seven patterns x 12 = 84 mutants in CI, a few minutes); the ``slow`` test
+runs ``ITEROPS_FUZZ_DEEP`` (default 150) per pattern.  A run prints its
+fused / kept counts per pattern and mutation kind (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytensor
+import pytensor.scalar as ps
+import pytensor.tensor as pt
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pytensor.compile.mode import get_mode
+from pytensor.graph.basic import Constant, Variable
+from pytensor.graph.replace import graph_replace
+from pytensor.graph.traversal import io_toposort
+from pytensor.scan.op import Scan
+from pytensor.scan.utils import until
+from pytensor.tensor.blockwise import Blockwise
+from pytensor.tensor.elemwise import DimShuffle, Elemwise
+from pytensor.tensor.math import Dot
+
+import iterops
+from iterops import reference_loops as ref
+from iterops.fusion.patterns.kalman import _pymc_extras_step
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning")
+
+_SCAN_MODE = get_mode("FAST_COMPILE").excluding("iterops")
+_FUSED_MODE = get_mode("FAST_COMPILE")
+EXAMPLES = int(os.environ.get("ITEROPS_FUZZ_EXAMPLES", "12"))
+DEEP = int(os.environ.get("ITEROPS_FUZZ_DEEP", "150"))
+STATS: collections.Counter = collections.Counter()
+
+
+class NotApplicable(Exception):
+    """The drawn mutation does not apply to this step (or builds an invalid graph)."""
+
+
+# ---------------------------------------------------------------------------
+# Mutations of a step's graph
+# ---------------------------------------------------------------------------
+
+_NONCOMMUTATIVE = (ps.Sub, ps.TrueDiv, ps.Pow, ps.LT, ps.LE, ps.GT, ps.GE)
+_FLIPS = {ps.LT: (ps.le, ps.gt), ps.LE: (ps.lt, ps.ge), ps.GT: (ps.ge, ps.lt), ps.GE: (ps.gt, ps.le)}
+
+
+def _scalar_op(node):
+    return node.op.scalar_op if isinstance(node.op, Elemwise) else None
+
+
+def _is_matmul(node):
+    op = node.op.core_op if isinstance(node.op, Blockwise) else node.op
+    return isinstance(op, Dot) or type(op).__name__ in ("Matmul", "MatMul")
+
+
+def _rebuild(node, inputs):
+    return node.op.make_node(*inputs).outputs[0]
+
+
+def _swap(node, args, k):
+    if len(node.inputs) == 2 and (isinstance(_scalar_op(node), _NONCOMMUTATIVE) or _is_matmul(node)):
+        return _rebuild(node, node.inputs[::-1])
+    return None
+
+
+def _fresh(node):
+    """A copy of ``node``'s output on the same inputs (so a mutation may wrap it without a cycle)."""
+    return node.clone().outputs[0]
+
+
+def _transpose(node, args, k):
+    out = node.outputs[0]
+    if out.type.ndim == 2 and not isinstance(node.op, DimShuffle):
+        return _fresh(node).T
+    return None
+
+
+def _drop_transpose(node, args, k):
+    if isinstance(node.op, DimShuffle) and tuple(node.op.new_order) == (1, 0):
+        return node.inputs[0]
+    return None
+
+
+def _change_constant(node, args, k):
+    for j, x in enumerate(node.inputs):
+        if isinstance(x, Constant) and str(x.type.dtype).startswith("float"):
+            new = pt.constant(np.asarray(x.data) * 1.5 + 0.25, dtype=x.type.dtype)
+            if x.type.broadcastable != new.type.broadcastable:
+                new = pt.specify_broadcastable(new, *[d for d, b in enumerate(x.type.broadcastable) if b])
+            return _rebuild(node, [*node.inputs[:j], new, *node.inputs[j + 1:]])
+    return None
+
+
+def _add_constant(node, args, k):
+    out = node.outputs[0]
+    if str(out.type.dtype).startswith("float"):
+        return _fresh(node) + np.asarray(1e-3, dtype=out.type.dtype)
+    return None
+
+
+def _narrow(node, args, k):
+    out = node.outputs[0]
+    if out.type.dtype == "float64":
+        return pt.cast(pt.cast(_fresh(node), ("float32", "float16")[k % 2]), "float64")
+    return None
+
+
+def _flip(node, args, k):
+    s = _scalar_op(node)
+    if type(s) in _FLIPS:
+        return _FLIPS[type(s)][k % 2](*node.inputs)
+    return None
+
+
+def _other_input(node, args, k):
+    for j, x in enumerate(node.inputs):
+        if x in args:
+            others = [a for a in args if a is not x and a.type == x.type]
+            if others:
+                return _rebuild(node, [*node.inputs[:j], others[k % len(others)], *node.inputs[j + 1:]])
+    return None
+
+
+GRAPH_MUTATIONS = {
+    "swap": _swap, "transpose": _transpose, "drop_transpose": _drop_transpose, "constant": _change_constant,
+    "add": _add_constant, "narrow": _narrow, "flip": _flip, "input": _other_input,
+}
+LOOP_MUTATIONS = ("truncate_gradient", "go_backwards", "n_steps", "init")
+
+
+def _split(ret):
+    """``(outputs, until condition or None)`` of a step's return value."""
+    if isinstance(ret, until):
+        return [], ret.condition
+    if isinstance(ret, tuple | list) and ret and isinstance(ret[-1], until):
+        outs = ret[0] if len(ret) == 2 and isinstance(ret[0], tuple | list) else ret[:-1]
+        return list(outs), ret[-1].condition
+    return ([ret] if isinstance(ret, Variable) else list(ret)), None
+
+
+def mutated(step, kind, index):
+    """``step`` with the ``index``-th applicable node (mod their number) changed by mutation ``kind``."""
+    mutate = GRAPH_MUTATIONS[kind]
+
+    def new_step(*args):
+        outs, cond = _split(step(*args))
+        roots = [*outs, *([cond] if cond is not None else [])]
+        args = [a for a in args if isinstance(a, Variable)]
+        cands = []
+        for node in io_toposort(args, roots):
+            try:
+                new = mutate(node, args, index)
+            except Exception:  # noqa: BLE001  (an invalid mutant graph: not applicable here)
+                new = None
+            if new is not None:
+                cands.append((node.outputs[0], new))
+        if not cands:
+            raise NotApplicable(kind)
+        old, new = cands[index % len(cands)]
+        try:
+            new = pt.cast(new, old.type.dtype) if new.type.dtype != old.type.dtype else new
+            roots = graph_replace(roots, {old: new}, strict=False)
+        except Exception as err:  # noqa: BLE001
+            raise NotApplicable(f"{kind}: {err}") from err
+        outs = roots[:len(outs)]
+        return (outs, until(roots[-1])) if cond is not None else outs
+
+    return new_step
+
+
+# ---------------------------------------------------------------------------
+# Harnesses: the loop as users write it, and inputs that stress the contract
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Harness:
+    step: object
+    build: object  # (step, loop mutation or None, k) -> (symbolic inputs, outputs)
+    values: object  # () -> list of input value tuples
+    dtype_inputs: list = field(default_factory=list)
+
+
+def _doubling_build(step, loop, k):
+    A, Q, tol, n = pt.matrix("A"), pt.matrix("Q"), pt.scalar("tol"), pt.iscalar("n")
+    kw, alpha0, gamma0, n_steps = {}, A, Q, n
+    if loop == "truncate_gradient":
+        kw["truncate_gradient"] = 1
+    elif loop == "go_backwards":
+        kw["go_backwards"] = True
+    elif loop == "n_steps":
+        n_steps = (0, 1, 2, 3, -1)[k % 5]
+    elif loop == "init":
+        alpha0, gamma0 = ((A.T, Q), (A, Q + 1.0), (0.5 * A, 2 * Q))[k % 3]
+    _, gammas = pytensor.scan(step, outputs_info=[alpha0, gamma0], non_sequences=[tol], n_steps=n_steps,
+                              return_updates=False, **kw)
+    return [A, Q, tol, n], [gammas[-1]]
+
+
+def _lyapunov_values():
+    rng = np.random.default_rng(0)
+    A = rng.normal(size=(3, 3))
+    A *= 0.8 / np.abs(np.linalg.eigvals(A)).max()
+    L = rng.normal(size=(3, 3))
+    c, s = np.cos(0.3), np.sin(0.3)
+    return [
+        (A, L @ L.T + np.eye(3), 1e-12, 100),
+        (np.diag([1.0, 0.5]), np.diag([0.0, 1.0]), 1e-12, 100),  # unit root unexcited by Q
+        (np.diag([0.0, 0.9999]), np.diag([1.0, 1e-10]), 1e-15, 100),  # multi-scale
+        (np.array([[c, -s], [s, c]]), np.eye(2), 1e-12, 12),  # rotation: never converges, stops at the guard
+        (np.diag([0.99999, 0.2]), np.eye(2), 1e-8, 7),  # hits its n_steps guard
+    ]
+
+
+def _fixed_point_build(step, loop, k):
+    A, Q, X0, tol, n = pt.matrix("A"), pt.matrix("Q"), pt.matrix("X0"), pt.scalar("tol"), pt.iscalar("n")
+    kw, x0, n_steps = {}, X0, n
+    if loop == "truncate_gradient":
+        kw["truncate_gradient"] = 1
+    elif loop == "go_backwards":
+        kw["go_backwards"] = True
+    elif loop == "n_steps":
+        n_steps = (0, 1, 2, 3, -1)[k % 5]
+    elif loop == "init":
+        x0 = (pt.zeros_like(Q), Q, X0.T)[k % 3]
+    Xs = pytensor.scan(step, outputs_info=[x0], non_sequences=[A, Q, tol], n_steps=n_steps, return_updates=False,
+                       **kw)
+    return [A, Q, X0, tol, n], [Xs[-1]]
+
+
+def _fixed_point_values():
+    rng = np.random.default_rng(1)
+    A = rng.normal(size=(3, 3))
+    A *= 0.7 / np.abs(np.linalg.eigvals(A)).max()
+    L = rng.normal(size=(3, 3))
+    c, s = np.cos(0.3), np.sin(0.3)
+    return [
+        (A, L @ L.T, rng.normal(size=(3, 3)), 1e-12, 3000),
+        (np.diag([1.0, 0.5]), np.diag([0.0, 1.0]), 1e6 * np.eye(2), 1e-12, 5000),  # limit depends on X0
+        (np.array([[c, -s], [s, c]]), np.zeros((2, 2)), np.eye(2), 1e-12, 5000),  # rotation, Q = 0
+        (np.diag([0.0, 0.9999]), np.diag([1.0, 1e-10]), np.zeros((2, 2)), 1e-15, 300),  # guard, multi-scale
+    ]
+
+
+def _block_build(step, loop, k, sequence=False):
+    x = pt.tensor3("x")
+    kw = {}
+    if loop == "truncate_gradient":
+        kw["truncate_gradient"] = 1
+    elif loop == "go_backwards":
+        kw["go_backwards"] = True
+    elif loop == "n_steps":
+        kw["n_steps"] = (x.shape[0] - 1, 1, x.shape[0] + 0)[k % 3]
+    kk, n, m = x.shape
+    init = pt.zeros((kk * n, kk * m), dtype=x.dtype)
+    if loop == "init":
+        init = (pt.ones((kk * n, kk * m)), pt.zeros((kk * n + 1, kk * m)))[k % 2]
+    if sequence:
+        outs = pytensor.scan(step, sequences=[pt.arange(kk), x], outputs_info=[init], return_updates=False, **kw)
+    else:
+        outs = pytensor.scan(step, sequences=[pt.arange(kk)], outputs_info=[init], non_sequences=[x],
+                             return_updates=False, **kw)
+    return [x], [outs[-1]]
+
+
+def _block_sequence_step(i, xi, out):
+    n, m = xi.shape[0], xi.shape[1]
+    return pt.set_subtensor(out[i * n:(i + 1) * n, i * m:(i + 1) * m], xi)
+
+
+def _block_values():
+    rng = np.random.default_rng(2)
+    return [(rng.normal(size=(3, 2, 3)),), (rng.normal(size=(1, 1, 1)),), (np.zeros((0, 2, 2)),),
+            (rng.normal(size=(2, 0, 3)),)]
+
+
+KN, KM, KP = 12, 3, 2
+
+
+def _kalman_symbols():
+    return dict(y=pt.tensor("y", shape=(KN, KP)), a0=pt.vector("a0"), L0=pt.matrix("L0"), T=pt.matrix("T"),
+                Z=pt.matrix("Z"), R=pt.matrix("R"), LH=pt.matrix("LH"), LQ=pt.matrix("LQ"))
+
+
+def _kalman_build(step, loop, k):
+    s = _kalman_symbols()
+    kw = {}
+    P0, H, Q = s["L0"] @ s["L0"].T, s["LH"] @ s["LH"].T, s["LQ"] @ s["LQ"].T
+    if loop == "truncate_gradient":
+        kw["truncate_gradient"] = 1
+    elif loop == "go_backwards":
+        kw["go_backwards"] = True
+    elif loop == "n_steps":
+        kw["n_steps"] = (KN - 3, 1, -3)[k % 3]
+    elif loop == "init":
+        P0 = (s["L0"], s["L0"] + s["L0"].T, s["L0"] @ s["L0"].T + 1.0)[k % 3]
+    ll, a, Ps = ref.kalman_textbook_loop(s["y"], s["a0"], P0, s["T"], s["Z"], s["R"], H, Q, step=step, **kw)
+    return list(s.values()), [ll, a, Ps]
+
+
+def _kalman_values():
+    rng = np.random.default_rng(3)
+    T = 0.6 * np.eye(KM) + 0.15 * rng.normal(size=(KM, KM))
+    base = dict(y=rng.normal(size=(KN, KP)), a0=rng.normal(size=KM), L0=np.tril(rng.normal(size=(KM, KM))) + 2 * np.eye(KM),
+                T=T, Z=rng.normal(size=(KP, KM)), R=rng.normal(size=(KM, 2)),
+                LH=np.tril(0.3 * rng.normal(size=(KP, KP))) + np.eye(KP), LQ=np.tril(0.3 * rng.normal(size=(2, 2))) + np.eye(2))
+    near_singular = {**base, "LH": 1e-7 * np.eye(KP), "L0": 1e-6 * np.eye(KM)}
+    missing = {**base, "y": base["y"].copy()}
+    missing["y"][5, 1] = np.nan
+    return [tuple(d.values()) for d in (base, near_singular, missing)]
+
+
+def _pymc_extras_build(step, loop, k):
+    s = _kalman_symbols()
+    c, d = pt.vector("c"), pt.vector("d")
+    P0, H, Q = s["L0"] @ s["L0"].T, s["LH"] @ s["LH"].T, s["LQ"] @ s["LQ"].T
+    kw = {}
+    if loop == "truncate_gradient":
+        kw["truncate_gradient"] = 1
+    elif loop == "go_backwards":
+        kw["go_backwards"] = True
+    elif loop == "n_steps":
+        kw["n_steps"] = (KN - 3, 1, -3)[k % 3]
+    elif loop == "init":
+        P0 = (s["L0"], s["L0"] + s["L0"].T)[k % 2]
+    jitter, fill = pt.constant(1e-8), pt.constant(-9999.0)
+    outs = pytensor.scan(step, sequences=[s["y"]], outputs_info=[s["a0"], P0, None, None, None, None, None],
+                         non_sequences=[c, d, s["T"], s["Z"], s["R"], H, Q, jitter, fill], return_updates=False,
+                         **kw)
+    return [*s.values(), c, d], [outs[-1], outs[2], outs[1]]
+
+
+def _pymc_extras_values():
+    rng = np.random.default_rng(4)
+    cd = (0.1 * rng.normal(size=KM), 0.1 * rng.normal(size=KP))
+    vals = _kalman_values()
+    fill = list(vals[0])
+    fill[0] = fill[0].copy()
+    fill[0][3, 0] = -9999.0  # the sentinel
+    return [(*v, *cd) for v in (*vals, tuple(fill))]
+
+
+def _levinson_build(step, loop, k):
+    gamma = pt.vector("gamma")
+    order, kw = 3, {}
+    if loop == "truncate_gradient":
+        kw["truncate_gradient"] = 1
+    elif loop == "go_backwards":
+        kw["go_backwards"] = True
+    elif loop == "n_steps":
+        kw["n_steps"] = (2, 1)[k % 2]
+    if loop == "init":
+        phis, vs, kappas = pytensor.scan(step, sequences=[pt.arange(order)],
+                                         outputs_info=[pt.zeros(order), (gamma[1], gamma[0] + 1.0)[k % 2], None],
+                                         non_sequences=[gamma], return_updates=False)
+        return [gamma], [phis[-1], vs[-1], kappas]
+    return [gamma], list(ref.levinson_loop(gamma, order, step=step, **kw))
+
+
+def _levinson_values():
+    return [(np.array([2.0, 1.2, 0.5, 0.1, -0.1]),), (np.array([1.0, 0.0, 0.0, 1.5]),),  # not positive definite
+            (np.array([1.0, 0.5, 0.2]),),  # too short: the loop raises
+            (np.array([0.0, 0.5, 0.2, 0.1]),)]  # gamma_0 = 0
+
+
+HARNESSES = {
+    "lyapunov_doubling": Harness(ref.doubling_step, _doubling_build, _lyapunov_values),
+    "lyapunov_fixed_point": Harness(ref.fixed_point_step, _fixed_point_build, _fixed_point_values),
+    "block_diag_indexed": Harness(ref.block_diag_step, _block_build, _block_values),
+    "block_diag_sequence": Harness(_block_sequence_step, lambda s, lp, k: _block_build(s, lp, k, sequence=True),
+                                   _block_values),
+    "kalman_textbook": Harness(ref.kalman_textbook_step, _kalman_build, _kalman_values),
+    "kalman_pymc_extras": Harness(_pymc_extras_step, _pymc_extras_build, _pymc_extras_values),
+    "levinson_durbin": Harness(ref.levinson_step, _levinson_build, _levinson_values),
+}
+
+
+# ---------------------------------------------------------------------------
+# The contract
+# ---------------------------------------------------------------------------
+
+
+def _run(f, vals):
+    try:
+        return f(*vals), None
+    except Exception as err:  # noqa: BLE001
+        return None, err
+
+
+def _close(got, want, what):
+    got, want = np.asarray(got, dtype=float), np.asarray(want, dtype=float)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    fin = np.isfinite(want)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{what}: NaN positions")
+    np.testing.assert_array_equal(got[np.isinf(want)], want[np.isinf(want)], err_msg=f"{what}: infinities")
+    scale = max(1.0, float(np.abs(want[fin]).max(initial=0.0)))
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-6, atol=1e-9 * scale, err_msg=what)
+
+
+def check_contract(inputs, outputs, values):
+    """Fuse; if no Scan is left, values and gradients equal the loop's on every input set. Returns "fused"/"kept"."""
+    float_ins = [x for x in inputs if x.type.dtype.startswith("float")]
+    weights = [pt.cos(0.37 * pt.arange(o.size) + j).reshape(o.shape) for j, o in enumerate(outputs)]
+    cost = sum((pt.switch(pt.isfinite(o), o, 0.0) * w).sum() for o, w in zip(outputs, weights))
+    fused = iterops.fuse_loops([*outputs, cost])
+    f = pytensor.function(inputs, [*fused[:-1], *pytensor.grad(fused[-1], float_ins, disconnected_inputs="ignore")],
+                          mode=_FUSED_MODE, on_unused_input="ignore")
+    if any(isinstance(n.op, Scan) for n in f.maker.fgraph.apply_nodes):
+        return "kept"
+    try:
+        grads = pytensor.grad(cost, float_ins, disconnected_inputs="ignore")
+    except Exception:  # noqa: BLE001  (the loop has no gradient: compare values only)
+        grads = []
+    g = pytensor.function(inputs, [*outputs, *grads], mode=_SCAN_MODE, on_unused_input="ignore")
+    n_out = len(outputs)
+    for vals in values:
+        vals = [np.asarray(v, dtype=x.type.dtype) for v, x in zip(vals, inputs)]
+        got, err_f = _run(f, vals)
+        want, err_g = _run(g, vals)
+        if err_g is not None:
+            assert err_f is not None, f"the loop raises {err_g!r}, the fused graph returns {got}"
+            continue
+        assert err_f is None, f"the fused graph raises {err_f!r} where the loop returns {want}"
+        for j, (a, b) in enumerate(zip(got[:n_out], want[:n_out])):
+            _close(a, b, f"output {j}")
+        for j, (a, b) in enumerate(zip(got[n_out:], want[n_out:])):
+            b = np.asarray(b, dtype=float)
+            if np.all(np.isfinite(b)):  # the contract covers gradients where the loop's are finite
+                _close(a, b, f"gradient w.r.t. {float_ins[j]}")
+    return "fused"
+
+
+def _fuzz_one(name, data):
+    h = HARNESSES[name]
+    kind = data.draw(st.sampled_from(["none", *GRAPH_MUTATIONS, *LOOP_MUTATIONS]), label="mutation")
+    k = data.draw(st.integers(0, 50), label="index")
+    step = mutated(h.step, kind, k) if kind in GRAPH_MUTATIONS else h.step
+    try:
+        inputs, outputs = h.build(step, kind if kind in LOOP_MUTATIONS else None, k)
+    except NotApplicable:
+        STATS[(name, kind, "not applicable")] += 1
+        return
+    except Exception:  # noqa: BLE001  (the mutant is not a valid loop: nothing to compare)
+        STATS[(name, kind, "invalid")] += 1
+        return
+    outcome = check_contract(inputs, outputs, h.values())
+    STATS[(name, kind, outcome)] += 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    if STATS:
+        print("\nfusion fuzzer: (pattern, mutation, outcome) -> count")  # noqa: T201
+        for key, n in sorted(STATS.items()):
+            print(f"  {key}: {n}")  # noqa: T201
+
+
+_FUZZ_SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+
+
+@pytest.mark.parametrize("name", sorted(HARNESSES))
+@settings(max_examples=EXAMPLES, **_FUZZ_SETTINGS)
+@given(data=st.data())
+def test_mutants_keep_the_scan_or_compute_the_loop(name, data):
+    _fuzz_one(name, data)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(HARNESSES))
+@settings(max_examples=DEEP, **_FUZZ_SETTINGS)
+@given(data=st.data())
+def test_mutants_deep(name, data):
+    _fuzz_one(name, data)
+
+
+@pytest.mark.parametrize("name", sorted(HARNESSES))
+def test_unmutated_loops_are_fused_and_exact(name):
+    """The harness loops themselves are recognized: the fuzzer's mutants start from fused loops."""
+    h = HARNESSES[name]
+    inputs, outputs = h.build(h.step, None, 0)
+    assert check_contract(inputs, outputs, h.values()) == "fused"
+
+
+def test_registry_is_covered():
+    assert set(HARNESSES) == set(iterops.fusion.PATTERNS)

@@ -1,0 +1,397 @@
+"""smith_doubling_loop / lyapunov_fixed_point_loop against the Scans they replace.
+
+Oracle: the user's Scan and ``pytensor.grad`` through it, compiled with iterops'
+rewrites excluded, plus finite differences (``verify_grad``) and dense formulas.
+"""
+
+import zlib
+from functools import cache
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pytensor.gradient import DisconnectedInputError, verify_grad
+from pytensor.scan.op import Scan
+from pytensor.scan.utils import until
+
+from iterops.linalg import lyapunov_fixed_point_loop, smith_doubling_loop
+
+REF_MODE = pytensor.compile.get_default_mode().excluding("iterops")
+STOPS = ["max_lt", "max_le", "fro_lt", None]
+
+
+@pytest.fixture
+def rng(request):
+    """A fixed seed per test (conftest's hashes the node id with Python's salted ``hash``)."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+# ---------------------------------------------------------------------------
+# The user's loops (oracle) and the fused functions under test
+# ---------------------------------------------------------------------------
+
+STOP_RULES = {
+    "max_lt": lambda new, old, tol: pt.max(pt.abs(new - old)) < tol,
+    "max_le": lambda new, old, tol: pt.max(pt.abs(new - old)) <= tol,
+    "fro_lt": lambda new, old, tol: pt.linalg.norm(new - old) < tol,
+    None: None,
+}
+
+
+def scan_doubling(A, Q, tol, n_steps, stop):
+    rule = STOP_RULES[stop]
+
+    def step(alpha, gamma, tol):
+        new_gamma = gamma + alpha @ gamma @ alpha.T
+        if rule is None:
+            return alpha @ alpha, new_gamma
+        return (alpha @ alpha, new_gamma), until(rule(new_gamma, gamma, tol))
+
+    alphas, gammas = pytensor.scan(
+        step, outputs_info=[A, Q], non_sequences=[tol], n_steps=n_steps, return_updates=False
+    )
+    return alphas[-1], gammas[-1]
+
+
+def scan_fixed_point(A, Q, X0, tol, n_steps, stop):
+    rule = STOP_RULES[stop]
+
+    def step(X, A, Q, tol):
+        X_new = A @ X @ A.T + Q
+        if rule is None:
+            return X_new
+        return X_new, until(rule(X_new, X, tol))
+
+    Xs = pytensor.scan(step, outputs_info=[X0], non_sequences=[A, Q, tol], n_steps=n_steps, return_updates=False)
+    return Xs[-1]
+
+
+@cache
+def doubling_fn(impl, stop, dtype_a="float64", dtype_q="float64", mode=None):
+    """f(A, Q, tol, n_steps, Wa, Wg) -> alpha, gamma, dC/dA, dC/dQ with C = <Wa, alpha> + <Wg, gamma>."""
+    A, Q = pt.matrix("A", dtype=dtype_a), pt.matrix("Q", dtype=dtype_q)
+    tol, n = pt.dscalar("tol"), pt.lscalar("n_steps")
+    loop = scan_doubling if impl == "scan" else smith_doubling_loop
+    alpha, gamma = loop(A, Q, tol, n, stop)
+    Wa, Wg = pt.matrix("Wa", dtype=alpha.dtype), pt.matrix("Wg", dtype=gamma.dtype)
+    cost = (alpha * Wa).sum() + (gamma * Wg).sum()
+    mode = REF_MODE if impl == "scan" else mode
+    return pytensor.function([A, Q, tol, n, Wa, Wg], [alpha, gamma, *pytensor.grad(cost, [A, Q])], mode=mode)
+
+
+@cache
+def fixed_point_fn(impl, stop, dtype="float64", mode=None):
+    """f(A, Q, X0, tol, n_steps, W) -> X, dC/dA, dC/dQ, dC/dX0 with C = <W, X>."""
+    A, Q, X0 = (pt.matrix(name, dtype=dtype) for name in ("A", "Q", "X0"))
+    tol, n = pt.dscalar("tol"), pt.lscalar("n_steps")
+    loop = scan_fixed_point if impl == "scan" else lyapunov_fixed_point_loop
+    X = loop(A, Q, X0, tol, n, stop)
+    W = pt.matrix("W", dtype=X.dtype)
+    mode = REF_MODE if impl == "scan" else mode
+    return pytensor.function([A, Q, X0, tol, n, W], [X, *pytensor.grad((X * W).sum(), [A, Q, X0])], mode=mode)
+
+
+def assert_close(actual, desired, rtol, name=""):
+    """Equal to ``rtol`` relative to the largest finite entry (subnormals count as zero);
+    NaN and inf in the same places."""
+    actual, desired = np.asarray(actual), np.asarray(desired)
+    assert actual.dtype == desired.dtype, (actual.dtype, desired.dtype)
+    finite = desired[np.isfinite(desired)]
+    scale = np.max(np.abs(finite)) if finite.size else 1.0
+    atol = rtol * scale + np.finfo(desired.dtype).tiny
+    np.testing.assert_allclose(actual, desired, rtol=rtol, atol=atol, equal_nan=True, err_msg=name)
+
+
+def check_doubling(a, q, tol, n_steps, stop, rtol=1e-11, rng=None, mode=None):
+    rng = rng or np.random.default_rng(0)
+    wa, wg = rng.normal(size=a.shape).astype(a.dtype), rng.normal(size=q.shape).astype(np.result_type(a, q))
+    args = (a, q, tol, n_steps)
+    fused = doubling_fn("fused", stop, a.dtype.name, q.dtype.name, mode)
+    ref = doubling_fn("scan", stop, a.dtype.name, q.dtype.name)
+    for name, x, y in zip(("alpha", "gamma", "dA", "dQ"), fused(*args, wa, wg), ref(*args, wa, wg)):
+        assert_close(x, y, rtol, name)
+
+
+def check_fixed_point(a, q, x0, tol, n_steps, stop, rtol=1e-11, rng=None, mode=None):
+    rng = rng or np.random.default_rng(0)
+    w = rng.normal(size=q.shape).astype(a.dtype)
+    args = (a, q, x0, tol, n_steps, w)
+    fused = fixed_point_fn("fused", stop, a.dtype.name, mode)
+    ref = fixed_point_fn("scan", stop, a.dtype.name)
+    for name, x, y in zip(("X", "dA", "dQ", "dX0"), fused(*args), ref(*args)):
+        assert_close(x, y, rtol, name)
+
+
+def stable(rng, m, rho):
+    a = rng.normal(size=(m, m))
+    return a * rho / np.max(np.abs(np.linalg.eigvals(a)))
+
+
+def spd(rng, m):
+    q = rng.normal(size=(m, m))
+    return q @ q.T + np.eye(m)
+
+
+# ---------------------------------------------------------------------------
+# Values and gradients against the Scan
+# ---------------------------------------------------------------------------
+
+
+@settings(max_examples=20)
+@given(
+    m=st.integers(1, 5),
+    rho=st.floats(0.05, 0.98),
+    seed=st.integers(0, 2**32 - 1),
+    stop=st.sampled_from(STOPS),
+)
+def test_random_stable_matches_scan(m, rho, seed, stop):
+    rng = np.random.default_rng(seed)
+    a, q, x0 = stable(rng, m, rho), spd(rng, m), rng.normal(size=(m, m))
+    check_doubling(a, q, 1e-10, 60, stop, rng=rng)
+    check_fixed_point(a, q, x0, 1e-9, 1000, stop, rtol=1e-10, rng=rng)
+
+
+@pytest.mark.parametrize("stop", STOPS)
+def test_stop_kinds_on_exact_arithmetic(stop):
+    """A = I/2, Q = I, X0 = 0: every iterate and change is exact in binary, so each stop rule
+    takes a known number of steps: X_K = sum_{j<K} 4^-j, change 4^-(K-1); tol = 1/64."""
+    a, q, x0 = 0.5 * np.eye(2), np.eye(2), np.zeros((2, 2))
+    n_steps = 12
+    expected_steps = {"max_lt": 5, "max_le": 4, "fro_lt": 5, None: n_steps}[stop]
+    X = fixed_point_fn("scan", stop)(a, q, x0, 1 / 64, n_steps, np.ones((2, 2)))[0]
+    np.testing.assert_array_equal(X, sum(0.25**j for j in range(expected_steps)) * np.eye(2))
+    check_fixed_point(a, q, x0, 1 / 64, n_steps, stop, rtol=1e-14)
+    check_doubling(a, q, 1 / 2**20, n_steps, stop, rtol=1e-15)
+
+
+def test_unit_root_unexcited_by_q():
+    """The loop keeps X0's 1e6 on the unit root; the solution of the equation does not exist uniquely."""
+    a, q, x0 = np.diag([1.0, 0.5]), np.diag([0.0, 1.0]), 1e6 * np.eye(2)
+    X = fixed_point_fn("fused", "max_lt")(a, q, x0, 1e-9, 1000, np.ones((2, 2)))[0]
+    np.testing.assert_allclose(X, np.diag([1e6, 4 / 3]), rtol=0, atol=1e-9)
+    for stop in STOPS:
+        check_fixed_point(a, q, x0, 1e-9, 1000, stop)
+        check_doubling(a, q, 1e-12, 100, stop)
+
+
+def test_rotation():
+    c, s = np.cos(0.3), np.sin(0.3)
+    a = np.array([[c, -s], [s, c]])
+    x = fixed_point_fn("fused", "max_lt")(a, np.zeros((2, 2)), np.eye(2), 1e-12, 100, np.ones((2, 2)))[0]
+    np.testing.assert_allclose(x, np.eye(2), atol=1e-15)
+    for stop in STOPS:
+        check_fixed_point(a, np.zeros((2, 2)), np.eye(2), 1e-12, 100, stop)
+        # alpha_k = R^(2^k) doubles the angle, and its rounding error, at every step (the loop is
+        # chaotic): after 20 steps two implementations differ by ~2^20 eps.
+        check_doubling(a, np.zeros((2, 2)), 1e-12, 20, stop, rtol=1e-8)  # stops at once unless stop is None
+        check_doubling(a, np.eye(2), 1e-12, 20, stop, rtol=1e-8)  # gamma_k = 2^k I: hits the guard
+
+
+def test_multi_scale():
+    a, q = np.diag([0.0, 0.9999]), np.diag([1.0, 1e-10])
+    check_doubling(a, q, 1e-15, 100, "max_lt", rtol=1e-12)
+    check_fixed_point(a, q, np.zeros((2, 2)), 1e-15, 100_000, "max_lt", rtol=1e-10)
+
+
+@pytest.mark.parametrize("stop", ["max_lt", "fro_lt"])
+def test_guard_hit_before_convergence(stop, rng):
+    a, q, x0 = stable(rng, 4, 0.95), spd(rng, 4), np.zeros((4, 4))
+    check_fixed_point(a, q, x0, 1e-12, 25, stop)
+    check_doubling(a, q, 1e-300, 3, stop)
+
+
+def test_zero_and_one_step(rng):
+    """n_steps = 0 returns the initial values (the Scan cannot index its empty result); 1 is one step."""
+    a, q, x0, w = stable(rng, 3, 0.9), spd(rng, 3), rng.normal(size=(3, 3)), rng.normal(size=(3, 3))
+    for n_steps in (0, -3):
+        alpha, gamma, dA, dQ = doubling_fn("fused", "max_lt")(a, q, 1e-10, n_steps, w, 2 * w)
+        for x, y in ((alpha, a), (gamma, q), (dA, w), (dQ, 2 * w)):
+            np.testing.assert_array_equal(x, y)
+        X, dA, dQ, dX0 = fixed_point_fn("fused", "max_lt")(a, q, x0, 1e-10, n_steps, w)
+        for x, y in ((X, x0), (dA, 0 * w), (dQ, 0 * w), (dX0, w)):
+            np.testing.assert_array_equal(x, y)
+    X, dA, dQ, dX0 = fixed_point_fn("fused", "max_lt")(a, q, x0, 1e-10, 1, w)
+    np.testing.assert_allclose(X, a @ x0 @ a.T + q, rtol=1e-14)
+    np.testing.assert_allclose(dA, w @ a @ x0.T + w.T @ a @ x0, rtol=1e-13)
+    np.testing.assert_allclose(dX0, a.T @ w @ a, rtol=1e-13)
+    np.testing.assert_array_equal(dQ, w)
+    for stop in STOPS:
+        check_doubling(a, q, 1e-10, 1, stop)
+        check_fixed_point(a, q, x0, 1e-10, 1, stop)
+
+
+@pytest.mark.parametrize("tol", [-1.0, np.nan])
+def test_tol_negative_or_nan_never_stops(tol, rng):
+    a, q, x0 = stable(rng, 3, 0.5), spd(rng, 3), np.zeros((3, 3))
+    for stop in STOPS:
+        check_doubling(a, q, tol, 40, stop)
+        check_fixed_point(a, q, x0, tol, 300, stop)
+
+
+def test_unstable_a_overflows_like_the_loop(rng):
+    a, q, x0 = stable(rng, 3, 1.5), spd(rng, 3), np.eye(3)
+    assert not np.all(np.isfinite(doubling_fn("fused", "max_lt")(a, q, 1e-10, 20, q, q)[1]))
+    for stop in STOPS:
+        check_doubling(a, q, 1e-10, 20, stop)
+        check_fixed_point(a, q, x0, 1e-10, 1000, stop)
+
+
+@pytest.mark.parametrize("stop", STOPS)
+def test_float32(stop, rng):
+    """Computed in float32 like the loop.  tol sits well above float32 rounding of the change, so
+    both stop at the same step; alpha = A^(2^k) doubles its relative rounding error each step."""
+    a, q, x0 = (x.astype("float32") for x in (stable(rng, 3, 0.8), spd(rng, 3), rng.normal(size=(3, 3))))
+    check_doubling(a, q, 1e-3, 30, stop, rtol=1e-4)
+    check_fixed_point(a, q, x0, 1e-3, 100, stop, rtol=1e-5)
+
+
+def test_mixed_float32_a_float64_q(rng):
+    """alpha stays float32 (as in the Scan), gamma is float64."""
+    a, q = stable(rng, 3, 0.8).astype("float32"), spd(rng, 3)
+    check_doubling(a, q, 1e-12, 30, "max_lt", rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["NUMBA", "CVM", "FAST_COMPILE"])
+def test_every_linker(mode, rng):
+    a, q, x0 = stable(rng, 3, 0.9), spd(rng, 3), rng.normal(size=(3, 3))
+    check_doubling(a, q, 1e-10, 60, "max_lt", rng=rng, mode=mode)
+    check_fixed_point(a, q, x0, 1e-9, 1000, "max_lt", rng=rng, mode=mode)
+
+
+# ---------------------------------------------------------------------------
+# Gradient plumbing: one output used, tol, n_steps, finite differences
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("used", ["alpha", "gamma"])
+def test_doubling_one_output_used(used, rng):
+    a, q = stable(rng, 3, 0.9), spd(rng, 3)
+    A, Q, tol, n = pt.dmatrix("A"), pt.dmatrix("Q"), pt.dscalar("tol"), pt.lscalar("n")
+    results = []
+    for loop, mode in ((scan_doubling, REF_MODE), (smith_doubling_loop, None)):
+        alpha, gamma = loop(A, Q, tol, n, "max_lt")
+        out = alpha if used == "alpha" else gamma
+        cost = (out**2).sum()
+        if used == "alpha":
+            with pytest.raises(DisconnectedInputError):
+                pytensor.grad(cost, Q)
+            grads = pytensor.grad(cost, [A])
+        else:
+            grads = pytensor.grad(cost, [A, Q])
+        results.append(pytensor.function([A, Q, tol, n], [out, *grads], mode=mode)(a, q, 1e-10, 50))
+    for x, y in zip(*reversed(results)):
+        assert_close(x, y, 1e-11)
+
+
+def test_tol_gradient_is_zero_and_n_steps_disconnected(rng):
+    A, Q, X0, tol, n = pt.dmatrix("A"), pt.dmatrix("Q"), pt.dmatrix("X0"), pt.dscalar("tol"), pt.lscalar("n")
+    alpha, gamma = smith_doubling_loop(A, Q, tol, n)
+    X = lyapunov_fixed_point_loop(A, Q, X0, tol, n)
+    cost = gamma.sum() + alpha.sum() + X.sum()
+    g_tol = pytensor.grad(cost, tol)
+    a, q = stable(rng, 2, 0.5), spd(rng, 2)
+    f = pytensor.function([A, Q, X0, tol, n], g_tol, on_unused_input="ignore")
+    assert f(a, q, q, 1e-8, 100) == 0.0
+    with pytest.raises(DisconnectedInputError):
+        pytensor.grad(cost, n)
+
+
+@pytest.mark.parametrize("stop", [None, "max_lt"])
+def test_verify_grad(stop, rng):
+    a, q, x0 = stable(rng, 3, 0.7), spd(rng, 3), rng.normal(size=(3, 3))
+    # tol far from every step's change, so finite differences do not move the stop
+    verify_grad(lambda A, Q: pt.stack(smith_doubling_loop(A, Q, 1e-3, 8, stop)), [a, q], rng=rng)
+    verify_grad(lambda A, Q, X0: lyapunov_fixed_point_loop(A, Q, X0, 1e-3, 12, stop), [a, q, x0], rng=rng)
+
+
+def test_verify_grad_batched_broadcast(rng):
+    a = np.stack([stable(rng, 2, 0.6) for _ in range(3)])
+    q = spd(rng, 2)[None]
+    verify_grad(lambda A, Q: pt.stack(smith_doubling_loop(A, Q, 0.0, 4, None)), [a, q], rng=rng)
+    verify_grad(lambda A, Q: lyapunov_fixed_point_loop(A, Q, Q, 0.0, 6, None), [a, q], rng=rng)
+
+
+def test_second_derivative_not_implemented():
+    A, Q = pt.dmatrix("A"), pt.dmatrix("Q")
+    g = pytensor.grad(smith_doubling_loop(A, Q, 1e-8, 10)[1].sum(), A)
+    with pytest.raises(pytensor.gradient.NullTypeGradError):
+        pytensor.grad(g.sum(), A)
+
+
+# ---------------------------------------------------------------------------
+# Batching, native Numba, validation
+# ---------------------------------------------------------------------------
+
+
+def test_batched_equals_loop_over_batch(rng):
+    b, m = 3, 3
+    a = np.stack([stable(rng, m, rho) for rho in (0.3, 0.9, 0.99)])
+    q, x0 = spd(rng, m), rng.normal(size=(b, m, m))
+    tols, n_steps = np.array([1e-10, 1e-6, 1e-12]), 200
+    wa, wg = rng.normal(size=(b, m, m)), rng.normal(size=(b, m, m))
+
+    A, X0, Wa, Wg = pt.dtensor3("A"), pt.dtensor3("X0"), pt.dtensor3("Wa"), pt.dtensor3("Wg")
+    Q, tol, n = pt.dmatrix("Q"), pt.dvector("tol"), pt.lscalar("n")
+    alpha, gamma = smith_doubling_loop(A, Q, tol, n)
+    X = lyapunov_fixed_point_loop(A, Q, X0, tol, n)
+    cost = (alpha * Wa).sum() + (gamma * Wg).sum()
+    f = pytensor.function([A, Q, X0, tol, n, Wa, Wg],
+                          [alpha, gamma, *pytensor.grad(cost, [A, Q]), X, *pytensor.grad((X * Wa).sum(), [A, Q, X0])])
+    got = f(a, q, x0, tols, n_steps, wa, wg)
+
+    ref_d = [doubling_fn("scan", "max_lt")(a[i], q, tols[i], n_steps, wa[i], wg[i]) for i in range(b)]
+    ref_f = [fixed_point_fn("scan", "max_lt")(a[i], q, x0[i], tols[i], n_steps, wa[i]) for i in range(b)]
+    expected = [
+        np.stack([r[0] for r in ref_d]), np.stack([r[1] for r in ref_d]),
+        np.stack([r[2] for r in ref_d]), sum(r[3] for r in ref_d),  # Q broadcast: its gradient sums
+        np.stack([r[0] for r in ref_f]), np.stack([r[1] for r in ref_f]),
+        sum(r[2] for r in ref_f), np.stack([r[3] for r in ref_f]),
+    ]
+    for x, y in zip(got, expected):
+        assert_close(x, y, 1e-10)
+
+
+def test_default_mode_runs_natively(rng):
+    """Compiles in the default (Numba) mode, batched and not, gradients included; object mode
+    would be an error (pyproject's filterwarnings).  The graph holds the fused Ops, no Scan."""
+    A, Q, tol, n = pt.tensor3("A"), pt.dmatrix("Q"), pt.dscalar("tol"), pt.lscalar("n")
+    for A_ in (A, A[0]):
+        alpha, gamma = smith_doubling_loop(A_, Q, tol, n, "fro_lt")
+        X = lyapunov_fixed_point_loop(A_, Q, Q, tol, n, "max_le")
+        cost = gamma.sum() + alpha.sum() + X.sum()
+        f = pytensor.function([A, Q, tol, n], [gamma, X, *pytensor.grad(cost, [A, Q])])
+        assert not any(isinstance(node.op, Scan) for node in f.maker.fgraph.apply_nodes)
+        out = f(np.stack([stable(rng, 2, 0.5)] * 2), spd(rng, 2), 1e-8, 50)
+        assert all(np.all(np.isfinite(o)) for o in out)
+
+
+def test_static_shapes_and_dtypes():
+    alpha, gamma = smith_doubling_loop(pt.tensor("A", shape=(5, 3, 3), dtype="float32"), np.eye(3), 1e-6, 10)
+    assert alpha.type.shape == (5, 3, 3) and alpha.dtype == "float32" and gamma.dtype == "float64"
+    X = lyapunov_fixed_point_loop(np.eye(2, dtype="int64"), np.eye(2), np.eye(2, dtype="float32"), 0.1, 3)
+    assert X.dtype == "float64" and X.type.shape == (2, 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(A=np.zeros((2, 3))), ValueError, r"A must be square.*\(2, 3\)"),
+        (dict(Q=np.eye(3)), ValueError, "A and Q must have the same m.*A has 2 but Q has 3"),
+        (dict(X0=np.eye(3)), ValueError, "A and X0 must have the same m"),
+        (dict(A=np.zeros(2)), ValueError, "A must have at least 2 dimensions.*ndim 1"),
+        (dict(n_steps=10.0), TypeError, "n_steps must be an integer, got n_steps with dtype float"),
+        (dict(tol=1j), TypeError, "tol must be real"),
+        (dict(Q=np.eye(2) * 1j), TypeError, "complex Q is not supported"),
+        (dict(stop="max"), ValueError, "stop must be one of"),
+    ],
+)
+def test_validation_errors(kwargs, error, match):
+    args = dict(A=np.eye(2), Q=np.eye(2), X0=np.eye(2), tol=1e-8, n_steps=10) | kwargs
+    with pytest.raises(error, match=match):
+        lyapunov_fixed_point_loop(**args)
+    args.pop("X0")
+    if "X0" not in kwargs:
+        with pytest.raises(error, match=match):
+            smith_doubling_loop(**args)
