@@ -1,4 +1,4 @@
-"""Discrete Lyapunov: iterops vs PyTensor's built-ins, the seed's doubling Scan, scipy and quantecon."""
+"""Discrete Lyapunov: iterops vs PyTensor's built-ins, the Smith doubling loop as a Scan, scipy and quantecon."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ NO_ITEROPS = pytensor.compile.get_default_mode().excluding("iterops")
 
 
 def doubling_scan(A, Q, tol=1e-15, max_iter=100):
-    """Seed 003's doubling loop, translated to pytensor (what users write today)."""
+    """The Smith doubling loop PyMC users write with ``pytensor.scan`` (quantecon's
+    ``solve_discrete_lyapunov`` runs the same iteration)."""
 
     def step(alpha, gamma):
         new_gamma = gamma + alpha @ gamma @ alpha.T

@@ -37,6 +37,8 @@ object, by :func:`entry_point` and by :class:`FusedOp`'s ``__eq__``/``__hash__``
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 from functools import cache, wraps
 from pathlib import Path
 
@@ -84,25 +86,51 @@ def package_digest(root: Path = _PACKAGE_DIR, patterns=KERNEL_SOURCES) -> str:
 PACKAGE_DIGEST = package_digest()
 
 
+def kernel_cache_dir() -> Path | None:
+    """Where Numba caches iterops' compiled kernels when ``NUMBA_CACHE_DIR`` is not set.
+
+    ``<checkout>/.cache/numba`` when iterops runs from a source checkout (the folder ``scripts/dev``
+    uses); otherwise the user cache folder: ``$XDG_CACHE_HOME/iterops/numba`` (default
+    ``~/.cache/iterops/numba``), ``~/Library/Caches/iterops/numba`` on macOS,
+    ``%LOCALAPPDATA%\\iterops\\numba`` on Windows.  ``ITEROPS_CACHE_DIR`` overrides both.
+    """
+    if os.environ.get("ITEROPS_CACHE_DIR"):
+        return Path(os.environ["ITEROPS_CACHE_DIR"]).expanduser()
+    checkout = _PACKAGE_DIR.parent
+    if (checkout / "pyproject.toml").is_file() and (checkout / "iterops" / "__init__.py").is_file():
+        return checkout / ".cache" / "numba"
+    if sys.platform == "win32":
+        base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
+    elif sys.platform == "darwin":
+        base = Path.home() / "Library" / "Caches"
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "iterops" / "numba"
+
+
 class PackageCacheLocator(_CacheLocator):
     """Numba on-disk cache locator for functions defined in this package.
 
     Numba stamps a function's cache index with a hash of the file that defines it and
     reloads the cached machine code while that stamp matches, so a kernel whose helper lives in
     another module kept running the old helper after an edit (numba issue #1833).  This
-    locator keeps Numba's own location and disambiguator (it wraps the locator Numba would have
-    chosen) and adds :data:`PACKAGE_DIGEST` to the stamp: editing any kernel-bearing module makes
-    every cached iterops function stale, so it is recompiled and its index rewritten.
+    locator keeps Numba's disambiguator (it wraps the locator Numba would have chosen) and adds
+    :data:`PACKAGE_DIGEST` to the stamp: editing any kernel-bearing module makes every cached
+    iterops function stale, so it is recompiled and its index rewritten.
+
+    Location: ``NUMBA_CACHE_DIR`` when the user set it (Numba's own locator); otherwise
+    :func:`kernel_cache_dir`, with the same sub-folder layout, so ``python script.py``,
+    ``pytest``, notebooks and ``scripts/dev`` (which sets ``NUMBA_CACHE_DIR`` to the checkout's
+    ``.cache/numba``) share one cache.  If that folder is not writable, Numba's default
+    (``__pycache__``, then its user-wide folder) is used.
     """
 
-    def __init__(self, inner: _CacheLocator):
+    def __init__(self, inner: _CacheLocator, cache_path: str | None = None):
         self._inner = inner
-
-    def ensure_cache_path(self):
-        self._inner.ensure_cache_path()
+        self._cache_path = cache_path
 
     def get_cache_path(self):
-        return self._inner.get_cache_path()
+        return self._cache_path or self._inner.get_cache_path()
 
     def get_source_stamp(self):
         return (self._inner.get_source_stamp(), PACKAGE_DIGEST)
@@ -119,8 +147,18 @@ class PackageCacheLocator(_CacheLocator):
             if other is not cls:
                 inner = other.from_function(py_func, py_file)
                 if inner is not None:
-                    return cls(inner)
-        return None
+                    break
+        else:
+            return None
+        root = None if numba.core.config.CACHE_DIR else kernel_cache_dir()
+        if root is not None:
+            self = cls(inner, os.path.join(root, cls.get_suitable_cache_subpath(py_file)))
+            try:
+                self.ensure_cache_path()
+                return self
+            except OSError:
+                pass
+        return cls(inner)
 
 
 if not any(c.__name__ == PackageCacheLocator.__name__ and c.__module__ == __name__

@@ -1,4 +1,4 @@
-"""The main job: fit real state-space models in PyMC with iterops, and with Scans.
+"""Fit two real state-space models in PyMC with iterops, and with Scans, and compare.
 
     scripts/dev demo                       # defaults: a few minutes on 2 cores
     scripts/dev demo --draws 1000 --tune 1000 --chains 4 --cores 4
@@ -23,7 +23,8 @@ Two models on data that ships with statsmodels (no downloads):
     Stationarity comes from the parametrisation (partial autocorrelations
     ``pacf`` in (-1, 1): ``phi_1 = pacf_1 (1 - pacf_2)``, ``phi_2 = pacf_2``), and
     the initial state covariance is the stationary one, ``P0 = T P0 T' + R Q R'``,
-    from :func:`iterops.solve_discrete_lyapunov`.
+    from :func:`iterops.solve_discrete_lyapunov`.  Vectors are indexed from 0, as in
+    statsmodels: ``pacf[0]`` and ``phi[0]`` belong to lag 1 (``phi[0]`` is ``phi_1``).
 
 Each model is written twice: with ``iterops.ts.kalman_filter`` (one fused
 Numba Op and its hand-written adjoint) and the way PyMC users write it today:
@@ -126,7 +127,7 @@ def scan_kalman_filter(y, a0, P0, c, d, T, Z, R, H, Q):
 
 def _filter(impl, y, a0, P0, c, d, T, Z, R, H, Q):
     if impl == "iterops":
-        return iterops.ts.kalman_filter(y, a0, P0, c, d, T, Z, R, H, Q).loglik
+        return iterops.ts.kalman_filter(y, a0, P0, c=c, d=d, T=T, Z=Z, R=R, H=H, Q=Q).loglik
     if impl == "scan":
         return scan_kalman_filter(y, a0, P0, c, d, T, Z, R, H, Q)[0]
     raise ValueError(f"impl must be 'iterops' or 'scan', got {impl!r}")
@@ -223,14 +224,17 @@ class DemoModel:
     load: object
     build: object
     params: tuple
-    units: str
+    units: str  #: units of the data (matplotlib mathtext)
+    quantity: str = "data"  #: what the data measure (axis label)
+    unitless: tuple = ()  #: parameters without units (the others are in ``units``)
 
 
 MODELS = {
     "nile": DemoModel("nile", "Nile flow: local level", load_nile, local_level_model,
-                      ("sigma_obs", "sigma_level"), "10^8 m^3"),
+                      ("sigma_obs", "sigma_level"), r"$10^8$ m$^3$", "annual flow"),
     "inflation": DemoModel("inflation", "US inflation: AR(2) + noise, stationary start", load_inflation,
-                           ar2_noise_model, ("mean", "pacf", "sigma_state", "sigma_obs"), "% p.a."),
+                           ar2_noise_model, ("mean", "pacf", "sigma_state", "sigma_obs"), "% p.a.",
+                           "CPI inflation", unitless=("pacf",)),
 }
 
 
@@ -248,9 +252,10 @@ def _state_function(spec: DemoModel, y):
     else:
         inputs = [pt.dscalar("mean"), pt.dvector("pacf"), pt.dscalar("sigma_state"), pt.dscalar("sigma_obs")]
         _, system = ar2_noise_system(*inputs)
-    filt = iterops.ts.kalman_filter(Y, *system)
-    smooth = iterops.ts.kalman_smoother(Y, *system)
-    outs = [filt.filtered_state, filt.filtered_cov, smooth.smoothed_state, smooth.smoothed_cov, system[3]]
+    a0, P0, c, d, T, Z, R, H, Q = system
+    filt = iterops.ts.kalman_filter(Y, a0, P0, c=c, d=d, T=T, Z=Z, R=R, H=H, Q=Q)
+    smooth = iterops.ts.kalman_smoother(Y, a0, P0, c=c, d=d, T=T, Z=Z, R=R, H=H, Q=Q)
+    outs = [filt.filtered_state, filt.filtered_cov, smooth.smoothed_state, smooth.smoothed_cov, d]
     return pytensor.function(inputs, outs)
 
 
@@ -348,62 +353,82 @@ def summary_table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+def _param_panels(spec: DemoModel, posterior):
+    """``[(name, selection, x label)]``: one panel per scalar parameter (vectors split by index)."""
+    panels = []
+    for p in spec.params:
+        unit = "unitless" if p in spec.unitless else spec.units
+        extra = posterior[p].dims[2:]
+        if extra:
+            for i in range(posterior[p].shape[2]):
+                panels.append((p, {extra[0]: i}, f"{p}[{i}] ({unit})"))
+        else:
+            panels.append((p, {}, f"{p} ({unit})"))
+    return panels
+
+
 def plot_posteriors(spec: DemoModel, runs: list[Run], path: Path):
+    """Marginal posteriors, one panel per scalar parameter in a grid, the runs overlaid (filled / outline)."""
     import matplotlib.pyplot as plt
 
-    cols = []
-    ref = runs[0].idata.posterior.to_dataset()
-    for p in spec.params:
-        extra = ref[p].dims[2:]
-        if extra:
-            cols += [(p, {extra[0]: i}) for i in range(ref[p].shape[2])]
-        else:
-            cols.append((p, {}))
-    fig, axes = plt.subplots(1, len(cols), figsize=(3.2 * len(cols), 2.8))
-    for ax, (p, sel) in zip(np.atleast_1d(axes), cols):
-        for r, color in zip(runs, ("C0", "C1")):
+    panels = _param_panels(spec, runs[0].idata.posterior.to_dataset())
+    ncols = min(3, len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.4 * ncols, 2.5 * nrows + 0.6), layout="constrained",
+                             squeeze=False)
+    for ax, (p, sel, label) in zip(axes.flat, panels):
+        for r, style in zip(runs, ({"histtype": "stepfilled", "alpha": 0.45, "color": "C0"},
+                                   {"histtype": "step", "lw": 1.6, "color": "C1"})):
             v = r.idata.posterior.to_dataset()[p].isel(sel).values.ravel()
-            ax.hist(v, bins=30, density=True, alpha=0.5, color=color, label=r.impl)
-        ax.set_title(p + (f"[{list(sel.values())[0]}]" if sel else ""))
-        ax.set_yticks([])
-    np.atleast_1d(axes)[0].legend()
+            ax.hist(v, bins=30, density=True, label=f"{r.impl} ({r.sampler} NUTS)", **style)
+        ax.set_xlabel(label)
+        ax.set_ylabel("posterior density")
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=len(runs), frameon=False)
     fig.suptitle(f"{spec.title}: posterior")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def plot_states(spec: DemoModel, t, y, bands, path: Path):
+    """Data with the filtered and the smoothed signal (posterior mean and 95% band)."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 3.6))
+    fig, ax = plt.subplots(figsize=(10, 3.8), layout="constrained")
     ax.plot(t, y, "k.", ms=3, label="data")
-    for (kind, (m, s)), color in zip(bands.items(), ("C0", "C3")):
-        ax.plot(t, m, color=color, lw=1.2, label=f"{kind} (posterior mean)")
-        ax.fill_between(t, m - 1.96 * s, m + 1.96 * s, color=color, alpha=0.2, label=f"{kind} 95% band")
-    ax.set_ylabel(spec.units)
-    ax.set_title(f"{spec.title}: signal given the data")
-    ax.legend(fontsize=8, ncols=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    styles = {"filtered": ("C0", "--", 0.2), "smoothed": ("C3", "-", 0.35)}
+    for kind, (m, s) in bands.items():
+        color, ls, alpha = styles.get(kind, ("C2", "-", 0.3))
+        ax.plot(t, m, color=color, ls=ls, lw=1.3, label=f"{kind} signal (posterior mean)")
+        ax.fill_between(t, m - 1.96 * s, m + 1.96 * s, color=color, alpha=alpha, lw=0, label=f"{kind} 95% band")
+    ax.set_xlabel("year")
+    ax.set_ylabel(f"{spec.quantity} ({spec.units})")
+    ax.set_title(f"{spec.title}\nsignal given the data up to t (filtered) and given all data (smoothed)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def plot_timing(runs: list[Run], path: Path):
+    """Compile time, sampling time and bulk ESS per second, one bar per (model, implementation)."""
     import matplotlib.pyplot as plt
 
     labels = [f"{r.model}\n{r.impl}" for r in runs]
     colors = ["C0" if r.impl == "iterops" else "C1" for r in runs]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    for ax, (title, vals) in zip(axes, [("compile time (s)", [r.compile_s for r in runs]),
-                                        ("sampling wall time (s)", [r.sample_s for r in runs]),
-                                        ("bulk ESS per second", [r.ess_per_s for r in runs])]):
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), layout="constrained")
+    for ax, (title, unit, vals) in zip(axes, [
+            ("compile time", "seconds", [r.compile_s for r in runs]),
+            ("sampling wall time", "seconds", [r.sample_s for r in runs]),
+            ("bulk ESS per second (higher is better)", "effective draws per second", [r.ess_per_s for r in runs])]):
         ax.bar(labels, vals, color=colors)
         ax.set_title(title)
+        ax.set_ylabel(unit)
+        ax.set_xlabel("model / implementation")
         ax.tick_params(axis="x", labelsize=8)
-    fig.suptitle(f"iterops vs pytensor.scan ({runs[0].sampler} NUTS)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.suptitle(f"iterops vs pytensor.scan ({runs[0].sampler} NUTS, minimum bulk ESS over the parameters)")
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 

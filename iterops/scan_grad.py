@@ -12,7 +12,8 @@ cotangents of the forward trace, that step ``s`` reads at rows ``s`` and
 
 When the cost uses only the last state (``xs[-1]``) every row of ``B0`` but the
 first is zero, so ``B[s + 1]`` always reads a zero and the tape is pure
-overhead.  The loop is then exactly the sit-sot recurrence::
+overhead (PyTensor issue #1687, "Rewrite mit-mot Scans as sit-sot").  The loop is then
+exactly the sit-sot recurrence::
 
     a[0] = B0[0]
     for s in range(n_steps):

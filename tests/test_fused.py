@@ -214,3 +214,16 @@ def test_edited_helper_module_is_not_served_stale(tmp_path):
 
     helper.write_text(_HELPER.format(inc="2.0"))  # only the helper module changes
     assert _run_probe(root, env)["values"] == [6.0, 6.0, 9.0, 3.0, 6.0, 9.0, 3.0]
+
+
+def test_kernels_cache_in_one_place_without_numba_cache_dir(tmp_path):
+    """A plain ``python`` run (no NUMBA_CACHE_DIR) caches iterops' kernels under ITEROPS_CACHE_DIR
+    (default: the checkout's .cache/numba, or the user cache folder), never in the package."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env["ITEROPS_CACHE_DIR"] = str(tmp_path)
+    code = ("import numpy as np, pytensor, pytensor.tensor as pt, iterops\n"
+            "x = pt.tensor3('x'); print(pytensor.function([x], iterops.block_diag(x))(np.ones((2, 1, 1))).sum())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("2.0")
+    assert list(tmp_path.rglob("*.nbi")), "no Numba cache index written under ITEROPS_CACHE_DIR"

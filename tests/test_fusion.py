@@ -62,8 +62,8 @@ def _stable(rng, n, dtype="float64", rho=0.9):
 # ---------------------------------------------------------------------------
 
 
-def seed003_doubling(A, B, tol, max_iter):
-    """Seed 003's aesara loop translated to pytensor."""
+def user_doubling(A, B, tol, max_iter):
+    """The Smith doubling loop as PyMC users wrote it (translated from aesara): matrix_dot, .conj().T."""
 
     def doubling_step(alpha, gamma, tol):
         new_alpha = alpha.dot(alpha)
@@ -126,14 +126,14 @@ def block_loop_sequence(x):
 
 
 @pytest.fixture(scope="module")
-def seed003():
+def doubling_graph():
     A, B, tol = pt.matrix("A"), pt.matrix("B"), pt.scalar("tol")
     max_iter = pt.lscalar("max_iter")
-    return [A, B, tol, max_iter], seed003_doubling(A, B, tol, max_iter)
+    return [A, B, tol, max_iter], user_doubling(A, B, tol, max_iter)
 
 
-def test_seed003_doubling_every_linker(seed003, mode, rng):
-    inputs, X = seed003
+def test_user_doubling_every_linker(doubling_graph, mode, rng):
+    inputs, X = doubling_graph
     f = pytensor.function(inputs, X, mode=mode)
     assert not any(isinstance(op, Scan) for op in _ops(f))
     assert _has(f, SmithDoublingLoop)
@@ -145,8 +145,8 @@ def test_seed003_doubling_every_linker(seed003, mode, rng):
     np.testing.assert_allclose(f(a, q, 1e-12, 100), f_scan(a, q, 1e-12, 100), rtol=1e-9, atol=1e-12)
 
 
-def test_seed003_gradient_equals_scan_autodiff(seed003, rng):
-    (A, B, tol, max_iter), X = seed003
+def test_user_doubling_gradient_equals_scan_autodiff(doubling_graph, rng):
+    (A, B, tol, max_iter), X = doubling_graph
     W = pt.matrix("W")
     cost = lambda X: (X * W).sum()  # noqa: E731
     g_scan = pytensor.function([A, B, tol, max_iter, W], pytensor.grad(cost(X), [A, B]),
@@ -222,7 +222,7 @@ def test_nested_loop_inner_graph_is_rewritten(mode, rng):
     scales = pt.vector("scales")
 
     def outer_step(s, A, Q):
-        return seed003_doubling(s * A, Q, pt.constant(1e-12), pt.constant(100)).sum()
+        return user_doubling(s * A, Q, pt.constant(1e-12), pt.constant(100)).sum()
 
     out = pytensor.scan(outer_step, sequences=[scales], non_sequences=[A, Q], return_updates=False)
     f = pytensor.function([scales, A, Q], out, mode=mode)
@@ -235,8 +235,8 @@ def test_nested_loop_inner_graph_is_rewritten(mode, rng):
     np.testing.assert_allclose(f(sv, a, q), expected, rtol=1e-9)
 
 
-def test_excluding_iterops_keeps_scan(seed003):
-    inputs, X = seed003
+def test_excluding_iterops_keeps_scan(doubling_graph):
+    inputs, X = doubling_graph
     f = pytensor.function(inputs, X, mode=get_mode("FAST_COMPILE").excluding("iterops"))
     assert any(isinstance(op, Scan) for op in _ops(f)) and not _has(f, LOOP_OPS)
 
@@ -245,7 +245,7 @@ def test_pymc_pregrad_rewrites_scan():
     from pymc.pytensorf import rewrite_pregrad
 
     A, B = pt.matrix("A"), pt.matrix("B")
-    X = seed003_doubling(A, B, pt.constant(1e-12), pt.constant(100))
+    X = user_doubling(A, B, pt.constant(1e-12), pt.constant(100))
     cost = rewrite_pregrad(X.sum())
     from pytensor.graph.traversal import ancestors
 
@@ -254,8 +254,8 @@ def test_pymc_pregrad_rewrites_scan():
     assert any(isinstance(getattr(op, "core_op", op), SmithDoublingLoop) for op in owners)
 
 
-def test_fuse_loops_list_in_list_out_and_explain(seed003):
-    inputs, X = seed003
+def test_fuse_loops_list_in_list_out_and_explain(doubling_graph):
+    inputs, X = doubling_graph
     out = iterops.fuse_loops([X, X.sum()])
     assert isinstance(out, list) and len(out) == 2
     report = iterops.explain(X)
@@ -379,10 +379,22 @@ def test_explain_reports_reason():
     assert "kept as a Scan" in report and "differs from the reference" in report
 
 
-def test_optimizer_verbose_logs(capsys, seed003):
-    inputs, X = seed003
+def test_optimizer_verbose_logs(capsys, doubling_graph):
+    inputs, X = doubling_graph
     with pytensor.config.change_flags(optimizer_verbose=True):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             pytensor.function(inputs, X, mode="FAST_COMPILE")
     assert "iterops: replaced Scan{doubling_algo}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", list(NEAR_MISSES))
+def test_explain_shows_a_real_difference(name):
+    """Near misses never read "expected X, found X": operands are printed until the two sides differ."""
+    import re
+
+    report = str(iterops.explain(NEAR_MISSES[name]()))
+    for line in report.splitlines():
+        m = re.search(r"expected (.*?), found (.*?)(?: \(as an operand of|$)", line)
+        if m:
+            assert m.group(1) != m.group(2), line

@@ -1,7 +1,7 @@
 """The Scan-fusion rewrite inside PyMC models (iterops.fusion under ``rewrite_pregrad``).
 
 * a model whose stationary covariance comes from the user's Smith-doubling
-  Scan (seed 003), read as ``gammas[-1]`` and through merged indices
+  Scan (the loop PyMC users write for a stationary covariance), read as ``gammas[-1]`` and through merged indices
   (``gammas[-1][0, 0]``, which ``local_subtensor_merge`` turns into
   ``gammas[-1, 0, 0]``);
 * a local-level model whose likelihood is a user-written textbook Kalman
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 
 
 def doubling_gammas(A, Q, tol=1e-12, max_iter=100):
-    """Seed 003's doubling loop, translated to pytensor: the traced gammas."""
+    """The Smith doubling loop PyMC users write: the traced gammas."""
     def step(alpha, gamma, tol):
         new_gamma = gamma + alpha @ gamma @ alpha.T
         return (alpha @ alpha, new_gamma), until(pt.max(pt.abs(new_gamma - gamma)) < tol)

@@ -501,11 +501,11 @@ def test_run_time_n_steps_mismatch():
 
 
 def test_doubling_lyapunov_written_with_loop_is_fused():
-    """Smith doubling (seed 003) written with ``loop`` becomes iterops' fused Lyapunov Op."""
+    """Smith doubling written with ``loop`` becomes iterops' fused doubling Op."""
     import scipy.linalg
 
     import iterops
-    from iterops.linalg.lyapunov import DiscreteLyapunov
+    from iterops.linalg.lyapunov_iteration import SmithDoublingLoop
 
     A, Q = pt.dmatrix("A"), pt.dmatrix("Q")
 
@@ -521,7 +521,7 @@ def test_doubling_lyapunov_written_with_loop_is_fused():
     f = pytensor.function([A, Q], X)
     ops = [n.op for n in f.maker.fgraph.apply_nodes]
     assert not any(isinstance(op, Scan) for op in ops)
-    assert any(isinstance(getattr(op, "core_op", op), DiscreteLyapunov) for op in ops)
+    assert any(isinstance(getattr(op, "core_op", op), SmithDoublingLoop) for op in ops)
     r = np.random.default_rng(4)
     a = 0.4 * r.normal(size=(3, 3))
     q = np.eye(3) + 0.1 * np.ones((3, 3))

@@ -490,6 +490,31 @@ def _describe(v) -> str:
     return str(op)
 
 
+def _expression(v, depth) -> str:
+    """``v`` as a compact expression down to ``depth`` levels (deeper operands as ``...``)."""
+    v = _strip(v)
+    if v.owner is None or depth == 0:
+        return _describe(v) if v.owner is None else f"{_describe(v)}(...)"
+    args = ", ".join(_expression(x, depth - 1) for x in v.owner.inputs)
+    return f"{_describe(v)}({args})"
+
+
+def _difference(r, u) -> str:
+    """The first difference between the reference ``r`` and the user's ``u``, with enough context to see it.
+
+    Operations that print alike (``Squeeze{axis=1}`` applied to different
+    operands) are shown with their operands, one level deeper at a time, up
+    to three levels.
+    """
+    if r is None or u is None:
+        return "the graphs differ"
+    for depth in range(4):
+        a, b = _expression(r, depth), _expression(u, depth)
+        if a != b:
+            return f"expected {a}, found {b}"
+    return f"expected {a}, found the same expression built differently (types {r.type} vs {u.type})"
+
+
 class _Env:
     """Copy-on-write bindings role -> user variable, plus pending shape constraints."""
 
@@ -585,12 +610,14 @@ class _Unifier:
             memo[v] = s
         return s
 
-    def fail(self, depth, r, u, why=None):
+    def fail(self, depth, r, u, why=None, parent=None):
         if depth > self.worst[0]:
-            msg = why or f"expected {_describe(r)}, found {_describe(u)}"
+            msg = why or _difference(r, u)
+            if parent is not None and why is None:
+                msg += f" (as an operand of {_expression(parent[0], 1)} / {_expression(parent[1], 1)})"
             self.worst = (depth, msg)
 
-    def unify(self, r, u, env, depth=0):
+    def unify(self, r, u, env, depth=0, parent=None):
         r, u = _strip(r), _strip(u)
         ref_role = self.ref.role_of.get(r)
         if ref_role is not None:
@@ -601,7 +628,7 @@ class _Unifier:
             if _is_constant(u) and _const_equal(r, u):
                 yield env
             else:
-                self.fail(depth, r, u)
+                self.fail(depth, r, u, parent=parent)
             return
         if u.owner is None:
             # x.shape[d] in the reference, a static constant in the user's graph
@@ -622,17 +649,17 @@ class _Unifier:
                 if roles is not None:
                     yield env.add_pending(("expr", r, u, roles))
                     return
-            self.fail(depth, r, u)
+            self.fail(depth, r, u, parent=parent)
             return
         rkey, rch, ordered = _form(r)
         ukey, uch, _ = _form(u)
         if rkey != ukey:
-            self.fail(depth, r, u)
+            self.fail(depth, r, u, parent=parent)
             return
         if ordered:
-            yield from self.unify_seq(rch, uch, env, depth + 1)
+            yield from self.unify_seq(rch, uch, env, depth + 1, (r, u))
         else:
-            yield from self.unify_bag(rch, uch, env, depth + 1)
+            yield from self.unify_bag(rch, uch, env, depth + 1, (r, u))
 
     def _broadcast_scalar_role(self, r):
         """The scalar ``constant_ok`` role ``r`` broadcasts (``ExpandDims``), else None."""
@@ -670,17 +697,17 @@ class _Unifier:
             return
         yield env.bind(role.name, u)
 
-    def unify_seq(self, rs, us, env, depth):
+    def unify_seq(self, rs, us, env, depth, parent=None):
         if len(rs) != len(us):
             self.fail(depth, None, None, f"{len(rs)} factors/arguments expected, found {len(us)}")
             return
         if not rs:
             yield env
             return
-        for e in self.unify(rs[0], us[0], env, depth):
-            yield from self.unify_seq(rs[1:], us[1:], e, depth)
+        for e in self.unify(rs[0], us[0], env, depth, parent):
+            yield from self.unify_seq(rs[1:], us[1:], e, depth, parent)
 
-    def unify_bag(self, rs, us, env, depth):
+    def unify_bag(self, rs, us, env, depth, parent=None):
         if len(rs) != len(us):
             self.fail(depth, None, None, f"{len(rs)} terms expected in a sum/product, found {len(us)}")
             return
@@ -692,8 +719,8 @@ class _Unifier:
         same = [j for j, u in enumerate(us) if self.sig(u, self._usig) == s0]
         # operands of the same shape of graph first; the others only to locate a mismatch
         for j in same or range(len(us)):
-            for e in self.unify(r0, us[j], env, depth):
-                yield from self.unify_bag(rs[1:], us[:j] + us[j + 1:], e, depth)
+            for e in self.unify(r0, us[j], env, depth, parent):
+                yield from self.unify_bag(rs[1:], us[:j] + us[j + 1:], e, depth, parent)
 
 
 def _shape_determined(r, role_of):

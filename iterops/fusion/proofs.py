@@ -104,7 +104,9 @@ def is_nonneg(v) -> bool:
         return is_nonneg(v.owner.inputs[0])  # a rearrangement of the same entries
     s = _scalar_op(v)
     if s is None:
-        if isinstance(op, Alloc):
+        if isinstance(op, Eye):
+            return True  # zeros and ones
+        if isinstance(op, Alloc) or _diag_of(v) is not None:
             return is_nonneg(v.owner.inputs[0])
         return False
     if isinstance(s, _NONNEG_UNARY):

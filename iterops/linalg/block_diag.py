@@ -5,7 +5,8 @@ r"""Block-diagonal matrix from a stack of equally shaped blocks.
 .. math::  B[i n + a,\ j m + b] = \delta_{ij}\, x[i, a, b].
 
 ``k`` may be symbolic, which ``pytensor.tensor.linalg.block_diag(*matrices)``
-cannot express.  The loop it replaces (seed 003)::
+cannot express.  The loop it replaces (what PyMC users write with ``pytensor.scan``
+when the number of blocks is symbolic)::
 
     def step(i, out, x):
         return pt.set_subtensor(out[i * n:(i + 1) * n, i * m:(i + 1) * m], x[i])

@@ -13,7 +13,8 @@ Solves
 Methods
 -------
 ``"doubling"``
-    Smith's doubling iteration (the loop of seed 003 and quantecon)::
+    Smith's doubling iteration (the loop PyMC users write with ``pytensor.scan``;
+    quantecon's ``solve_discrete_lyapunov`` runs the same iteration)::
 
         alpha, gamma = A, Q
         repeat: term = alpha gamma alpha^H ; gamma <- gamma + term ; alpha <- alpha alpha

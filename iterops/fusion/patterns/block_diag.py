@@ -1,6 +1,6 @@
 r"""Block-diagonal assembly loops -> :func:`iterops.block_diag`.
 
-``block_diag_indexed`` (seed 003)::
+``block_diag_indexed`` (the loop PyMC users write to assemble a block-diagonal matrix)::
 
     k, n, m = x.shape
     def step(i, out, x):
