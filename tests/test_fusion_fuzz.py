@@ -216,19 +216,23 @@ class Harness:
     dtype_inputs: list = field(default_factory=list)
 
 
+def _loop_kwargs(loop, k, n_steps_choices):
+    """``pytensor.scan`` keyword arguments of a loop mutation (``n_steps`` from ``n_steps_choices``)."""
+    if loop == "truncate_gradient":
+        return {"truncate_gradient": 1}
+    if loop == "go_backwards":
+        return {"go_backwards": True}
+    if loop == "n_steps":
+        return {"n_steps": n_steps_choices[k % len(n_steps_choices)]}
+    return {}
+
+
 def _doubling_build(step, loop, k):
     A, Q, tol, n = pt.matrix("A"), pt.matrix("Q"), pt.scalar("tol"), pt.iscalar("n")
-    kw, alpha0, gamma0, n_steps = {}, A, Q, n
-    if loop == "truncate_gradient":
-        kw["truncate_gradient"] = 1
-    elif loop == "go_backwards":
-        kw["go_backwards"] = True
-    elif loop == "n_steps":
-        n_steps = (0, 1, 2, 3, -1)[k % 5]
-    elif loop == "init":
-        alpha0, gamma0 = ((A.T, Q), (A, Q + 1.0), (0.5 * A, 2 * Q))[k % 3]
-    _, gammas = pytensor.scan(step, outputs_info=[alpha0, gamma0], non_sequences=[tol], n_steps=n_steps,
-                              return_updates=False, **kw)
+    kw = {"n_steps": n, **_loop_kwargs(loop, k, (0, 1, 2, 3, -1))}
+    alpha0, gamma0 = ((A.T, Q), (A, Q + 1.0), (0.5 * A, 2 * Q))[k % 3] if loop == "init" else (A, Q)
+    _, gammas = pytensor.scan(step, outputs_info=[alpha0, gamma0], non_sequences=[tol], return_updates=False,
+                              **kw)
     return [A, Q, tol, n], [gammas[-1]]
 
 
@@ -249,17 +253,9 @@ def _lyapunov_values():
 
 def _fixed_point_build(step, loop, k):
     A, Q, X0, tol, n = pt.matrix("A"), pt.matrix("Q"), pt.matrix("X0"), pt.scalar("tol"), pt.iscalar("n")
-    kw, x0, n_steps = {}, X0, n
-    if loop == "truncate_gradient":
-        kw["truncate_gradient"] = 1
-    elif loop == "go_backwards":
-        kw["go_backwards"] = True
-    elif loop == "n_steps":
-        n_steps = (0, 1, 2, 3, -1)[k % 5]
-    elif loop == "init":
-        x0 = (pt.zeros_like(Q), Q, X0.T)[k % 3]
-    Xs = pytensor.scan(step, outputs_info=[x0], non_sequences=[A, Q, tol], n_steps=n_steps, return_updates=False,
-                       **kw)
+    kw = {"n_steps": n, **_loop_kwargs(loop, k, (0, 1, 2, 3, -1))}
+    x0 = (pt.zeros_like(Q), Q, X0.T)[k % 3] if loop == "init" else X0
+    Xs = pytensor.scan(step, outputs_info=[x0], non_sequences=[A, Q, tol], return_updates=False, **kw)
     return [A, Q, X0, tol, n], [Xs[-1]]
 
 
@@ -279,13 +275,7 @@ def _fixed_point_values():
 
 def _block_build(step, loop, k, sequence=False):
     x = pt.tensor3("x")
-    kw = {}
-    if loop == "truncate_gradient":
-        kw["truncate_gradient"] = 1
-    elif loop == "go_backwards":
-        kw["go_backwards"] = True
-    elif loop == "n_steps":
-        kw["n_steps"] = (x.shape[0] - 1, 1, x.shape[0] + 0)[k % 3]
+    kw = _loop_kwargs(loop, k, (x.shape[0] - 1, 1, x.shape[0] + 0))
     kk, n, m = x.shape
     init = pt.zeros((kk * n, kk * m), dtype=x.dtype)
     if loop == "init":
@@ -319,15 +309,9 @@ def _kalman_symbols():
 
 def _kalman_build(step, loop, k):
     s = _kalman_symbols()
-    kw = {}
+    kw = _loop_kwargs(loop, k, (KN - 3, 1, -3))
     P0, H, Q = s["L0"] @ s["L0"].T, s["LH"] @ s["LH"].T, s["LQ"] @ s["LQ"].T
-    if loop == "truncate_gradient":
-        kw["truncate_gradient"] = 1
-    elif loop == "go_backwards":
-        kw["go_backwards"] = True
-    elif loop == "n_steps":
-        kw["n_steps"] = (KN - 3, 1, -3)[k % 3]
-    elif loop == "init":
+    if loop == "init":
         P0 = (s["L0"], s["L0"] + s["L0"].T, s["L0"] @ s["L0"].T + 1.0)[k % 3]
     ll, a, Ps = ref.kalman_textbook_loop(s["y"], s["a0"], P0, s["T"], s["Z"], s["R"], H, Q, step=step, **kw)
     return list(s.values()), [ll, a, Ps]
@@ -349,14 +333,8 @@ def _pymc_extras_build(step, loop, k):
     s = _kalman_symbols()
     c, d = pt.vector("c"), pt.vector("d")
     P0, H, Q = s["L0"] @ s["L0"].T, s["LH"] @ s["LH"].T, s["LQ"] @ s["LQ"].T
-    kw = {}
-    if loop == "truncate_gradient":
-        kw["truncate_gradient"] = 1
-    elif loop == "go_backwards":
-        kw["go_backwards"] = True
-    elif loop == "n_steps":
-        kw["n_steps"] = (KN - 3, 1, -3)[k % 3]
-    elif loop == "init":
+    kw = _loop_kwargs(loop, k, (KN - 3, 1, -3))
+    if loop == "init":
         P0 = (s["L0"], s["L0"] + s["L0"].T)[k % 2]
     jitter, fill = pt.constant(1e-8), pt.constant(-9999.0)
     outs = pytensor.scan(step, sequences=[s["y"]], outputs_info=[s["a0"], P0, None, None, None, None, None],
@@ -377,13 +355,7 @@ def _pymc_extras_values():
 
 def _levinson_build(step, loop, k):
     gamma = pt.vector("gamma")
-    order, kw = 3, {}
-    if loop == "truncate_gradient":
-        kw["truncate_gradient"] = 1
-    elif loop == "go_backwards":
-        kw["go_backwards"] = True
-    elif loop == "n_steps":
-        kw["n_steps"] = (2, 1)[k % 2]
+    order, kw = 3, _loop_kwargs(loop, k, (2, 1))
     if loop == "init":
         phis, vs, kappas = pytensor.scan(step, sequences=[pt.arange(order)],
                                          outputs_info=[pt.zeros(order), (gamma[1], gamma[0] + 1.0)[k % 2], None],
