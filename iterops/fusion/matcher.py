@@ -67,9 +67,8 @@ from pytensor.graph.basic import Constant, Variable
 from pytensor.graph.traversal import ancestors, io_toposort
 from pytensor.graph.fg import FunctionGraph, Output
 from pytensor.graph.rewriting.utils import rewrite_graph
-from pytensor.scan.op import Scan
 from pytensor.scan.utils import ScanArgs, until
-from pytensor.tensor.basic import AllocEmpty, ScalarFromTensor, TensorFromScalar, get_underlying_scalar_constant_value
+from pytensor.tensor.basic import AllocEmpty, ScalarFromTensor, get_underlying_scalar_constant_value
 from pytensor.tensor.elemwise import DimShuffle, Elemwise
 from pytensor.tensor.exceptions import NotScalarConstantError
 from pytensor.tensor.math import Dot
@@ -908,7 +907,7 @@ def _last_by_length(i, buffer, start) -> bool | str:
     if f is None:
         return False
     # buffer lengths of at least one step (the buffer holds the initial value first)
-    if not all((a, b) in ((1, -1 - start), (0, -1)) for _, a, b in f.refined([2]).pieces if _ >= 2):
+    if not all((a, b) in ((1, -1 - start), (0, -1)) for lo, a, b in f.refined([2]).pieces if lo >= 2):
         return False
     if start > 0:
         return True
