@@ -36,24 +36,14 @@ from pytensor.graph.basic import Apply
 from pytensor.tensor.variable import TensorVariable
 
 from iterops._fused import F64P, data_ptr, entry_point, keep_alive, opaque_kernel, register_fused_op
+from iterops._linalg_kernels import cho_inverse, matmul, sym_inplace
+from iterops.ts._kalman_filter import kalman_filter_kernel
+from iterops.ts._kalman_steps import (
+    Options, closed_loop, loglik, observe, system_at, update_cov, update_work, varies_over_time,
+)
 from iterops.ts.kalman import (
-    _F64,
-    _I64,
-    _IN_SIG,
-    KalmanOpBase,
-    _apply_kalman_op,
-    _c,
-    _check_shapes_jit,
-    _cho_inverse,
-    _closed_loop,
-    _cov_update,
-    _matmul,
-    _mean_update,
-    _observe,
-    _sym_inplace,
-    _ti,
-    _workspace,
-    kalman_filter_kernel,
+    F64, I64, I64P, IN_SIG, KalmanOpBase, apply_kalman_op, check_shapes, contiguous, input_sizes,
+    inputs_from_pointers,
 )
 
 __all__ = ["kalman_smoother", "KalmanSmootherResult", "KalmanSmoother", "kalman_smoother_kernel"]
@@ -65,43 +55,38 @@ class KalmanSmootherResult(NamedTuple):
 
 
 @numba.njit(cache=True)
-def kalman_smoother_kernel(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv):
-    """Smoothed states and covariances of one series (shapes as :func:`kalman_filter_kernel`).
+def kalman_smoother_kernel(y, a0, P0, system, options):
+    """Smoothed states and covariances of one series (arguments as
+    :func:`iterops.ts._kalman_filter.kalman_filter_kernel`).
 
-    Reuses the filter's kernel and its measurement-update helpers, so the gain and ``F_oo^{-1}``
+    Reuses the filter's kernel and its measurement-update stages, so the gain and ``F_oo^{-1}``
     are bitwise those of the filter."""
     n, p = y.shape
     m = a0.shape[0]
-    r_dim = Q.shape[1]
-    ll, _, _, _, ap, Pp, _, _ = kalman_filter_kernel(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv)
+    ll, out = kalman_filter_kernel(y, a0, P0, system, options)
     a_s = np.full((n, m), np.nan)
     P_s = np.full((n, m, m), np.nan)
     if not np.isfinite(ll) and ll < 0:
         return a_s, P_s
-    obs, Ps, PZ, Zo, M, L, K, w = _workspace(m, p, r_dim)
-    A = np.empty((m, m))
-    FZ = np.empty((p, m))
-    v = np.empty(p)
-    F = np.empty((p, p))
-    af = np.empty(m)
-    Pf = np.empty((m, m))
-    r = np.zeros(m)
-    N = np.zeros((m, m))
-    r_new = np.empty(m)
-    Lt = np.empty((m, m))
-    W = np.empty((m, m))
-    Finv = np.empty((p, p))
+    ap, Pp = out.predicted_state, out.predicted_cov
+    ws, ws_own = update_work(m, p)
+    obs, _, _, Zo, _, L, K, w = ws
+    v, F, Pf, Finv = np.empty(p), np.empty((p, p)), np.empty((m, m)), np.empty((p, p))
+    A, Lt, W, FZ = np.empty((m, m)), np.empty((m, m)), np.empty((m, m)), np.empty((p, m))
+    r, r_new, N = np.zeros(m), np.empty(m), np.zeros((m, m))
+    vary = varies_over_time(system)
+    st = system_at(system, 0)  # step t's matrices
     for t in range(n - 1, -1, -1):
-        Zt = Z[_ti(Z, t)]
+        if vary:
+            st = system_at(system, t)
         P = Pp[t]
-        k = _observe(ap[t], y[t], d[_ti(d, t)], Zt, mv, use_mv, v, obs)
-        ok, logdet = _cov_update(P, Zt, H[_ti(H, t)], jitter, obs, k, Ps, PZ, F, Zo, M, L, K, Pf)
-        _mean_update(ap[t], v, obs, k, logdet, L, K, w, af)
-        _cho_inverse(L, k, Finv)
-        _closed_loop(K, Zo, k, A)
-        _matmul(T[_ti(T, t)], A, Lt)  # L_t = T A
-        # r <- Zo^T w + L_t^T r
-        for i in range(m):
+        k = observe(ap[t], y[t], st.d, st.Z, options, v, obs)
+        _, logdet = update_cov(P, st.Z, st.H, options.jitter, k, ws, F, Pf)
+        loglik(v, obs, k, logdet, L, w)  # w = F_oo^{-1} v_o
+        cho_inverse(L, k, Finv)
+        closed_loop(K, Zo, k, A)
+        matmul(st.T, A, Lt)  # L_t = T A
+        for i in range(m):  # r <- Zo^T w + L_t^T r
             s = 0.0
             for l in range(k):
                 s += Zo[l, i] * w[l]
@@ -109,39 +94,36 @@ def kalman_smoother_kernel(y, a0, P0, c, d, T, Z, R, H, Q, jitter, mv, use_mv):
                 s += Lt[l, i] * r[l]
             r_new[i] = s
         r[:] = r_new
-        # N <- L_t^T N L_t + Zo^T Finv Zo
-        _matmul(N, Lt, W)
-        _matmul(Lt.T, W, N)
-        _matmul(Finv[:k, :k], Zo[:k], FZ[:k])
-        _matmul(Zo[:k].T, FZ[:k], W)
+        matmul(N, Lt, W)  # N <- L_t^T N L_t + Zo^T Finv Zo
+        matmul(Lt.T, W, N)
+        matmul(Finv[:k, :k], Zo[:k], FZ[:k])
+        matmul(Zo[:k].T, FZ[:k], W)
         for i in range(m):
             for j in range(m):
                 N[i, j] += W[i, j]
-        _sym_inplace(N)
-        # a_s = a + P r ; P_s = P - P N P
-        for i in range(m):
+        sym_inplace(N)
+        for i in range(m):  # a_s = a + P r ; P_s = P - P N P
             s = ap[t, i]
             for l in range(m):
                 s += P[i, l] * r[l]
             a_s[t, i] = s
-        _matmul(N, P, W)
-        _matmul(P, W, P_s[t])
+        matmul(N, P, W)
+        matmul(P, W, P_s[t])
         for i in range(m):
             for j in range(m):
                 P_s[t, i, j] = P[i, j] - P_s[t, i, j]
-        _sym_inplace(P_s[t])
+        sym_inplace(P_s[t])
+    keep_alive(ws_own)
     return a_s, P_s
 
 
-@opaque_kernel(numba.types.void(*([F64P] * 12), *([_I64] * 11), _F64, _F64, _I64))
-def _smoother_abi(y, a0, P0, c, d, T, Z, R, H, Q, oa, oP, n, p, m, r, tc, td, tT, tZ, tR, tH, tQ, jitter, mv, use_mv):
-    """C-ABI barrier around :func:`kalman_smoother_kernel` (as ``iterops.ts.kalman._filter_abi``)."""
-    a_s, P_s = kalman_smoother_kernel(
-        numba.carray(y, (n, p)), numba.carray(a0, (m,)), numba.carray(P0, (m, m)),
-        numba.carray(c, (tc, m)), numba.carray(d, (td, p)), numba.carray(T, (tT, m, m)),
-        numba.carray(Z, (tZ, p, m)), numba.carray(R, (tR, m, r)), numba.carray(H, (tH, p, p)),
-        numba.carray(Q, (tQ, r, r)), jitter, mv, use_mv != 0,
-    )
+@opaque_kernel(numba.types.void(*([F64P] * 12), I64P, F64, F64, I64))
+def _smoother_abi(y, a0, P0, c, d, T, Z, R, H, Q, oa, oP, sizes, jitter, mv, use_mv):
+    """C-ABI barrier around :func:`kalman_smoother_kernel` (as the filter's, in :mod:`iterops.ts.kalman`)."""
+    s = numba.carray(sizes, (11,))
+    n, m = s[0], s[2]
+    y_, a0_, P0_, system = inputs_from_pointers(y, a0, P0, c, d, T, Z, R, H, Q, s)
+    a_s, P_s = kalman_smoother_kernel(y_, a0_, P0_, system, Options(jitter, mv, use_mv != 0))
     numba.carray(oa, (n, m))[:] = a_s
     numba.carray(oP, (n, m, m))[:] = P_s
 
@@ -153,21 +135,19 @@ def _smoother_entry(tv: tuple, jitter: float, mv: float, use_mv: bool):
 
     @numba.njit
     def kalman_smoother_fn(y, a0, P0, c, d, T, Z, R, H, Q):
-        if _check_shapes_jit(y, a0, P0, c, d, T, Z, R, H, Q, tv):
+        if check_shapes(y, a0, P0, c, d, T, Z, R, H, Q, tv):
             raise ValueError("kalman_smoother: inconsistent input shapes at run time")
-        y_, a0_, P0_, c_, d_ = _c(y), _c(a0), _c(P0), _c(c), _c(d)
-        T_, Z_, R_, H_, Q_ = _c(T), _c(Z), _c(R), _c(H), _c(Q)
-        n, p = y_.shape
-        m = a0_.shape[0]
-        a_s = np.empty((n, m))
-        P_s = np.empty((n, m, m))
+        y_, a0_, P0_, c_, d_ = contiguous(y), contiguous(a0), contiguous(P0), contiguous(c), contiguous(d)
+        T_, Z_, R_, H_, Q_ = contiguous(T), contiguous(Z), contiguous(R), contiguous(H), contiguous(Q)
+        sizes = np.array(input_sizes(y_, a0_, c_, d_, T_, Z_, R_, H_, Q_))
+        a_s = np.empty((sizes[0], sizes[2]))
+        P_s = np.empty((sizes[0], sizes[2], sizes[2]))
         abi(
-            data_ptr(y_), data_ptr(a0_), data_ptr(P0_), data_ptr(c_), data_ptr(d_), data_ptr(T_),
-            data_ptr(Z_), data_ptr(R_), data_ptr(H_), data_ptr(Q_), data_ptr(a_s), data_ptr(P_s),
-            n, p, m, Q_.shape[1], c_.shape[0], d_.shape[0], T_.shape[0], Z_.shape[0], R_.shape[0],
-            H_.shape[0], Q_.shape[0], jitter, mv, flag,
+            data_ptr(y_), data_ptr(a0_), data_ptr(P0_), data_ptr(c_), data_ptr(d_), data_ptr(T_), data_ptr(Z_),
+            data_ptr(R_), data_ptr(H_), data_ptr(Q_), data_ptr(a_s), data_ptr(P_s),
+            data_ptr(sizes), jitter, mv, flag,
         )
-        keep_alive((y_, a0_, P0_, c_, d_, T_, Z_, R_, H_, Q_))
+        keep_alive((y_, a0_, P0_, c_, d_, T_, Z_, R_, H_, Q_, sizes))
         return a_s, P_s
 
     return kalman_smoother_fn
@@ -177,7 +157,7 @@ def _smoother_entry(tv: tuple, jitter: float, mv: float, use_mv: bool):
 class KalmanSmoother(KalmanOpBase):
     """Core Op of :func:`kalman_smoother` (options as :class:`iterops.ts.kalman.KalmanOpBase`)."""
 
-    gufunc_signature = ",".join(_IN_SIG) + "->(n,m),(n,m,m)"
+    gufunc_signature = ",".join(IN_SIG) + "->(n,m),(n,m,m)"
 
     def make_node(self, *inputs):
         inputs = [pt.as_tensor_variable(x) for x in inputs]
@@ -222,7 +202,7 @@ def kalman_smoother(
     >>> res.smoothed_state.eval().round(4).ravel()  # = statsmodels' KalmanSmoother
     array([0.5, 0.5, 0.5])
     """
-    outs = _apply_kalman_op(
+    outs = apply_kalman_op(
         "kalman_smoother", KalmanSmoother, (y, a0, P0, c, d, T, Z, R, H, Q), time_varying, cov_jitter, missing_value
     )
     return KalmanSmootherResult(*outs)

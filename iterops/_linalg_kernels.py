@@ -1,0 +1,139 @@
+"""Small dense-matrix helpers shared by iterops' Numba kernels.
+
+State-space matrices are small (a handful of states), so hand-written loops beat a BLAS call
+(no call overhead, no allocation) below :data:`SMALL`; above it products go to BLAS.  Every
+helper writes into a preallocated ``out`` so that a kernel's loop allocates nothing.
+
+* :func:`matmul` -- ``out = alpha X Y + beta out``; pass ``X.T`` / ``Y.T`` for products with a
+  transposed operand (a transposed view costs nothing), ``beta = 1`` to accumulate;
+  :func:`mm` is its allocating form, :func:`congruence` is ``X^T G X``;
+* :func:`sym_inplace`, :func:`sym_into` -- the symmetric part ``(X + X^T) / 2``;
+* :func:`cholesky`, :func:`cho_solve_vec`, :func:`cho_inverse` -- a lower Cholesky factor that
+  reports failure as a value, and solves with it;
+* :func:`borrowed` -- work arrays that cost nothing to pass to a function.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from iterops._fused import data_ptr
+
+__all__ = [
+    "SMALL", "matmul", "mm", "congruence", "sym_inplace", "sym_into", "cholesky", "cho_solve_vec", "cho_inverse",
+    "borrowed",
+]
+
+SMALL = 10  #: above this size (any dimension), matrix products go to BLAS
+
+
+@numba.njit(cache=True)
+def matmul(X, Y, out, alpha=1.0, beta=0.0):
+    """out = alpha X @ Y + beta out (loops for small matrices, BLAS above :data:`SMALL`).
+
+    ``X``/``Y`` may be transposed or sliced views; with ``beta = 0`` what ``out`` held is ignored."""
+    n_, k_ = X.shape
+    m_ = Y.shape[1]
+    if (n_ > SMALL or m_ > SMALL or k_ > SMALL) and n_ > 0 and m_ > 0 and k_ > 0:
+        prod = np.dot(np.ascontiguousarray(X), np.ascontiguousarray(Y))
+        for i in range(n_):
+            for j in range(m_):
+                out[i, j] = alpha * prod[i, j] + (beta * out[i, j] if beta != 0.0 else 0.0)
+        return
+    for i in range(n_):
+        for j in range(m_):
+            s = 0.0
+            for l in range(k_):
+                s += X[i, l] * Y[l, j]
+            out[i, j] = alpha * s + (beta * out[i, j] if beta != 0.0 else 0.0)
+
+
+@numba.njit(cache=True)
+def mm(X, Y):
+    """X @ Y, a new (C-contiguous) array: :func:`matmul` into a fresh output."""
+    out = np.empty((X.shape[0], Y.shape[1]), dtype=X.dtype)
+    matmul(X, Y, out)
+    return out
+
+
+@numba.njit(cache=True)
+def congruence(X, G, W, out, beta):
+    """out = X^T G X + beta out for square X, G (``W`` scratch)."""
+    matmul(G, X, W)
+    matmul(X.T, W, out, 1.0, beta)
+
+
+@numba.njit(cache=True)
+def sym_inplace(X):
+    """X <- (X + X^T) / 2 for a square X."""
+    for i in range(X.shape[0]):
+        for j in range(i + 1, X.shape[0]):
+            s = 0.5 * (X[i, j] + X[j, i])
+            X[i, j] = s
+            X[j, i] = s
+
+
+@numba.njit(cache=True)
+def sym_into(X, out):
+    """out = (X + X^T) / 2 for a square X."""
+    for i in range(X.shape[0]):
+        for j in range(i, X.shape[0]):
+            s = 0.5 * (X[i, j] + X[j, i])
+            out[i, j] = s
+            out[j, i] = s
+
+
+@numba.njit(cache=True)
+def cholesky(F, L, k):
+    """Lower Cholesky of ``F[:k, :k]`` into ``L[:k, :k]`` (``L`` may be ``F``); False if not PD / not finite."""
+    for j in range(k):
+        s = F[j, j]
+        for l in range(j):
+            s -= L[j, l] * L[j, l]
+        if not (s > 0.0) or not np.isfinite(s):
+            return False
+        ljj = np.sqrt(s)
+        L[j, j] = ljj
+        for i in range(j + 1, k):
+            s = F[i, j]
+            for l in range(j):
+                s -= L[i, l] * L[j, l]
+            L[i, j] = s / ljj
+    return True
+
+
+@numba.njit(cache=True, inline="always")
+def cho_solve_vec(L, k, b, x):
+    """x[:k] = (L L^T)^{-1} b[:k] with the factor in ``L[:k, :k]``; ``x`` may alias ``b``."""
+    for i in range(k):
+        s = b[i]
+        for l in range(i):
+            s -= L[i, l] * x[l]
+        x[i] = s / L[i, i]
+    for i in range(k - 1, -1, -1):
+        s = x[i]
+        for l in range(i + 1, k):
+            s -= L[l, i] * x[l]
+        x[i] = s / L[i, i]
+
+
+@numba.njit(cache=True)
+def cho_inverse(L, k, Finv):
+    """Finv[:k, :k] = (L L^T)^{-1} from the Cholesky factor in L[:k, :k]."""
+    for jj in range(k):
+        for i in range(k):
+            Finv[i, jj] = 1.0 if i == jj else 0.0
+        cho_solve_vec(L, k, Finv[:, jj], Finv[:, jj])
+
+
+@numba.njit(cache=True, inline="always")
+def borrowed(a):
+    """A view of the C-contiguous ``a`` that Numba does not reference-count.
+
+    Numba increments and decrements the reference count of every array argument of every call,
+    each array of a NamedTuple argument included, with atomic operations: passing the work
+    NamedTuples to the stages of a filter step costs about a microsecond per step.  A borrowed
+    array (over ``a``'s data, without ``a``'s reference count) costs nothing to pass.  The caller
+    keeps ``a`` alive until the borrowed array's last use (:func:`iterops._fused.keep_alive`)."""
+    return numba.carray(data_ptr(a), a.shape)

@@ -1,0 +1,503 @@
+r"""The reverse-mode adjoint of the Kalman filter: the reverses of :mod:`iterops.ts._kalman_steps`' stages, step
+after step from the last one, and the cheaper reverse of a steady-state stretch.
+
+Each step's forward quantities are recomputed from the stored predictions (``predicted_state``,
+``predicted_cov``), then reversed in the opposite order of the forward stages::
+
+    predict_vjp -> loglik_vjp -> update_vjp -> observe_vjp
+
+with the output cotangents of a step joining where their output is made.  Over a steady-state
+stretch the gain terms cancel and the covariance cotangents of the whole stretch follow from one
+Lyapunov equation (:func:`_steady_adjoint_run`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numba
+import numpy as np
+
+from iterops._fused import keep_alive
+from iterops._linalg_kernels import borrowed, cho_inverse, congruence, matmul, sym_into
+from iterops.ts._kalman_steps import (
+    System, closed_loop, fully_observed, innovation, loglik, loglik_vjp, observe, observe_vjp, predict_cov_vjp,
+    predict_vjp, reverse_work, rq_vjp, static_cov, static_rq, system_at, ti, update_cov, update_mean, update_vjp,
+    update_work, varies_over_time,
+)
+
+__all__ = ["Cotangents", "InputCotangents", "kalman_adjoint_kernel"]
+
+
+class Cotangents(NamedTuple):
+    """Cotangents of the filter's outputs (names as :class:`iterops.ts.kalman.KalmanFilterResult`).
+    A per-step cotangent with no rows is disconnected (zero)."""
+
+    loglik: float
+    loglik_obs: np.ndarray  #: (n,) or (0,)
+    filtered_state: np.ndarray  #: (n, m) or (0, *)
+    filtered_cov: np.ndarray  #: (n, m, m) or (0, *, *)
+    predicted_state: np.ndarray  #: (n + 1, m) or (0, *)
+    predicted_cov: np.ndarray  #: (n + 1, m, m) or (0, *, *)
+    forecast_error: np.ndarray  #: (n, p) or (0, *)
+    forecast_error_cov: np.ndarray  #: (n, p, p) or (0, *, *)
+
+
+class InputCotangents(NamedTuple):
+    """Cotangents of the filter's inputs, of their shapes (time-summed for static matrices)."""
+
+    y: np.ndarray  #: (n, p)
+    a0: np.ndarray  #: (m,)
+    P0: np.ndarray  #: (m, m)
+    system: System  #: as the system
+
+
+class _SteadyCache(NamedTuple):
+    """The update of a steady stretch's predicted covariance, left by the generic reverse of the
+    step just after the stretch (``L, K, Finv, Pf`` are that step's work arrays)."""
+
+    P: np.ndarray  #: (m, m) the predicted covariance (bitwise equal over the stretch)
+    A: np.ndarray  #: (m, m) I - K Z
+    Lss: np.ndarray  #: (m, m) T A, the closed-loop map
+    L: np.ndarray  #: (p, p) chol(F)
+    K: np.ndarray  #: (m, p) the gain
+    Finv: np.ndarray  #: (p, p) F^{-1}
+    Pf: np.ndarray  #: (m, m) the filtered covariance
+
+
+@numba.njit(cache=True, inline="always")
+def _has(x):
+    """A per-step cotangent is connected when it has rows."""
+    return x.shape[0] > 0
+
+
+@numba.njit(cache=True)
+def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad):
+    """Reverse-mode adjoint of :func:`iterops.ts._kalman_filter.kalman_filter_kernel`.
+
+    ``ap``/``Pp`` are the forward ``predicted_state``/``predicted_cov``; each step's update is
+    recomputed from them.  ``cot``: :class:`Cotangents` of the outputs.  Writes the cotangents
+    of the inputs into ``grad`` (:class:`InputCotangents`); all NaN if the forward pass failed.
+
+    Steady stretches (see :func:`_steady_adjoint_run`) take a cheaper path when
+    ``cov_jitter = 0``; every other step recomputes its update and reverses its stages, the
+    output cotangents of the step joining where their output is made.  (That step is written
+    out in the loop, where the reverse stages are inlined, rather than in a function of its
+    own: a call would pass every array of the NamedTuples on every step.)
+    """
+    n, p = y.shape
+    m = ap.shape[1]
+    _fill(grad, 0.0)
+    ws, ws_own = update_work(m, p)
+    rw, rw_own = reverse_work(m, p)
+    obs, _, _, Zo, _, L, K, w = ws
+    G, W, _, Pf_bar, af_bar, _, _, Finv, Fo_bar, X_bar, XZ, vo_bar, a_bar_new, P_bar_new = rw
+    v, F, af, Pf = np.empty(p), np.empty((p, p)), np.empty(m), np.empty((m, m))  # the recomputed step
+    abar, Pbar = _entering_cotangents(cot, n, m)  # of the prediction entering the current step
+    cache = _SteadyCache(np.empty((m, m)), np.empty((m, m)), np.empty((m, m)), L, K, Finv, Pf)
+    jitter, sum_rq = options.jitter, static_rq(system)
+    Grq = np.zeros((m, m))  # sum of G over the steps, for static R and Q
+    fast = jitter == 0.0 and static_cov(system)
+    cached = False  # the work arrays hold the update of cache.P, fully observed (fast only)
+    vary = varies_over_time(system)
+    st, gst = system_at(system, 0), system_at(grad.system, 0)  # step t's matrices, cotangents
+    t = n - 1
+    while t >= 0:
+        if cached and fully_observed(y, t, options) and _row_same(Pp, t, cache.P):
+            t = _steady_adjoint_run(t, y, system, options, ap, Pp, cot, grad, abar, Pbar, Grq, cache)
+            continue
+        if vary:
+            st, gst = system_at(system, t), system_at(grad.system, t)
+        a = ap[t]
+        k = observe(a, y[t], st.d, st.Z, options, v, obs)
+        ok, logdet = update_cov(Pp[t], st.Z, st.H, jitter, k, ws, F, Pf)
+        if not ok:
+            _fill(grad, np.nan)
+            grad.a0[:] = np.nan
+            return
+        cho_inverse(L, k, Finv)
+        loglik(v, obs, k, logdet, L, w)  # w = F_oo^{-1} v_o
+        update_mean(a, v, obs, k, K, af)
+        # predict (a_f_bar starts from the cotangent of filtered_state[t], P_f_bar gets filtered_cov[t]'s)
+        _row_or_zero(cot.filtered_state, t, af_bar)
+        predict_vjp(abar, Pbar, af, Pf, st, gst, sum_rq, Grq, G, W, Pf_bar, af_bar)
+        if _has(cot.filtered_cov):
+            Pf_bar += cot.filtered_cov[t]
+        # loglik (ll_bar: loglik's and loglik_obs[t]'s), update (X_bar starts from forecast_error_cov[t]'s)
+        loglik_vjp(cot.loglik + (cot.loglik_obs[t] if _has(cot.loglik_obs) else 0.0), k, w, Finv, vo_bar, Fo_bar)
+        _row_or_zero(cot.forecast_error_cov, t, X_bar)
+        update_vjp(a, v, st.Z, jitter, k, ws, rw, gst.Z, gst.H)
+        # observe (v_bar gets forecast_error[t]'s); a_t, P_t get predicted_state[t]'s, predicted_cov[t]'s
+        if _has(cot.forecast_error):
+            for i in range(k):
+                vo_bar[i] += cot.forecast_error[t, obs[i]]
+        observe_vjp(a, k, obs, Zo, vo_bar, XZ, a_bar_new, grad.y[t], gst.d, gst.Z)
+        for i in range(m):
+            abar[i] = a_bar_new[i] + (cot.predicted_state[t, i] if _has(cot.predicted_state) else 0.0)
+        _carry_cov(P_bar_new, t, cot.predicted_cov, Pbar)
+        cached = fast and k == p
+        if cached:
+            cache.P[:] = Pp[t]
+            closed_loop(K, Zo, k, cache.A)
+            matmul(system.T[0], cache.A, cache.Lss)
+        t -= 1
+    if sum_rq:
+        rq_vjp(Grq, system.R[0], system.Q[0], grad.system.R[0], grad.system.Q[0])
+    grad.a0[:] = abar
+    grad.P0[:, :] = Pbar
+    keep_alive((ws_own, rw_own))
+
+
+@numba.njit(cache=True)
+def _fill(grad, value):
+    """Every input cotangent but ``a0`` (set last) = value."""
+    for out in (grad.y, grad.system.c, grad.system.d, grad.P0):
+        out[:] = value
+    for out in (grad.system.T, grad.system.Z, grad.system.R, grad.system.H, grad.system.Q):
+        out[:] = value
+
+
+@numba.njit(cache=True)
+def _entering_cotangents(cot, n, m):
+    """Cotangents of ``a_n, P_n`` (the last prediction): those of ``predicted_state[n]``,
+    ``predicted_cov[n]``, or 0."""
+    abar = np.zeros(m)
+    Pbar = np.zeros((m, m))
+    if _has(cot.predicted_state):
+        abar[:] = cot.predicted_state[n]
+    if _has(cot.predicted_cov):
+        Pbar[:] = cot.predicted_cov[n]
+    return abar, Pbar
+
+
+@numba.njit(cache=True, inline="always")
+def _row_or_zero(g, t, out):
+    """out = g[t], or 0 if the cotangent g is disconnected."""
+    if _has(g):
+        out[:] = g[t]
+    else:
+        out[:] = 0.0
+
+
+@numba.njit(cache=True, inline="always")
+def _carry_cov(P_bar_new, t, g_Pp, Pbar):
+    """Covariance cotangent entering step t-1: ``sym(P_bar)`` plus that of ``predicted_cov[t]``."""
+    m = Pbar.shape[0]
+    has_Pp = _has(g_Pp)
+    for i in range(m):
+        for j in range(m):
+            Pbar[i, j] = 0.5 * (P_bar_new[i, j] + P_bar_new[j, i]) + (g_Pp[t, i, j] if has_Pp else 0.0)
+
+
+@numba.njit(cache=True, inline="always")
+def _row_same(X, t, Y):
+    """Bitwise equality of ``X[t]`` and ``Y`` (no view)."""
+    for i in range(Y.shape[0]):
+        for j in range(Y.shape[1]):
+            if X[t, i, j] != Y[i, j]:
+                return False
+    return True
+
+
+# ---------------------------------------------------------------------------
+# Steady stretches
+# ---------------------------------------------------------------------------
+
+
+class _SteadyWork(NamedTuple):
+    """Work arrays of a steady stretch's reverse steps."""
+
+    v: np.ndarray  #: (p,) forecast error
+    w: np.ndarray  #: (p,) F^{-1} v
+    u: np.ndarray  #: (p,) K^T a_f_bar, then v_bar
+    af: np.ndarray  #: (m,) filtered state
+    af_bar: np.ndarray  #: (m,)
+    G: np.ndarray  #: (m, m) sym(P'_bar)
+    S: np.ndarray  #: (m, m) scratch
+    W1: np.ndarray  #: (m, m) sym(cotangent of filtered_cov[s])
+    P_bar_new: np.ndarray  #: (m, m)
+    X_bar: np.ndarray  #: (p, p) sym(F_bar)
+    W2: np.ndarray  #: (p, m) scratch
+
+
+class _SteadySums(NamedTuple):
+    """Sums over a steady stretch, from which the covariance-path cotangents follow."""
+
+    Gs: np.ndarray  #: (m, m) sum of sym(P_bar_{s+1})
+    Ss: np.ndarray  #: (m, m) sum of sym(cotangent of filtered_cov[s])
+    Xs: np.ndarray  #: (p, p) sum of X = sym(F_bar)
+    Ms: np.ndarray  #: (m, p) sum of Mo_bar = a_f_bar w^T
+
+
+_WINDOW_TOL = 1e-18  # ||L^K||_F^2 below which a steady stretch's far steps skip the covariance recursion
+_MAX_DOUBLINGS = 20
+
+
+@numba.njit(cache=True)
+def _steady_adjoint_run(t, y, system, options, ap, Pp, cot, grad, abar, Pbar, Grq, cache):
+    """Backward steps t, t-1, ..., s0 of a steady stretch: static system, ``cov_jitter = 0``, every
+    component observed and ``P_s`` bitwise ``cache.P``, whose update is ``cache``
+    (:class:`_SteadyCache`).  ``abar, Pbar``: the cotangents of ``a_{t+1}, P_{t+1}`` in, of
+    ``a_s0, P_s0`` out.  Returns ``s0 - 1``, the next step to process.
+
+    With ``S = T^T G T + sym(Pf_bar_out)`` (G = sym(P'_bar)) the gain terms of the generic step
+    cancel: ``K_bar = -S M + a_f_bar v^T`` and ``M_bar = -S K + K_bar F^{-1}`` leave, after
+    symmetrization, ``A^T S A`` because ``K F = M`` (optimal gain).  So ``Mo_bar = a_f_bar w^T``
+    (w = F^{-1} v), ``X = sym(F_bar)``, ``F_bar = -ll_bar/2 (F^{-1} - w w^T) - (K^T a_f_bar) w^T (+ F_bar_out)``
+    and the covariance cotangent obeys ``P_bar_s = Lss^T sym(P_bar_{s+1}) Lss + C_s`` with
+
+        C_s = A^T sym(Pf_bar_out) A + Z^T X Z + sym(Mo_bar Z) + sym(P_bar_out[s]).
+
+    The covariance-path parameter cotangents are linear in ``Gs = sum_s sym(P_bar_{s+1})`` and in
+    the sums of ``X``, ``Mo_bar`` and ``sym(Pf_bar_out)``; :func:`_steady_flush` applies them once.
+    Telescoping the recursion gives ``Gs = Lss^T Gs Lss + (sum C + E - P_bar_s0)`` (E = entering
+    cotangent), one Lyapunov equation, so on a long stretch only the ``K`` steps nearest ``s0``
+    (where ``||Lss^K||_F^2 <= 1e-18``) run the O(m^3) recursion, for ``P_bar_s0``; the others do only
+    the O(m p + m^2) mean path (a, v, y, d, c and the a_f-dependent T and Z terms) and the sums.
+    Short stretches, or a closed loop without that decay, run the recursion on every step.
+    """
+    p = y.shape[1]
+    m = ap.shape[1]
+    s0 = t
+    while s0 >= 0 and fully_observed(y, s0, options) and _row_same(Pp, s0, cache.P):
+        s0 -= 1
+    s0 += 1
+    powers, window = _doubling_powers(cache.Lss, t - s0 + 1)
+    exact = window == 0  # full recursion on every step, Gs summed directly
+    sw, sw_own = _steady_work(m, p)
+    sums = _SteadySums(np.zeros((m, m)), np.zeros((m, m)), np.zeros((p, p)), np.zeros((m, p)))
+    E = np.empty((m, m))  # sym(covariance cotangent entering the stretch)
+    sym_into(Pbar, E)
+    Tt, Zt = system.T[0], system.Z[0]
+    _steady_reverse_steps(t, s0, window, y, system, ap, cot, grad, abar, Pbar, cache, sw, sums)
+    if not exact:
+        G = _steady_lyapunov_rhs(t, s0, Zt, cache.A, cot, E, Pbar, sw, sums)
+        sums.Gs[:, :] = _smith_doubling_sum(powers, G)
+    _steady_flush(Tt, Zt, cache, sums, grad.system.T[0], grad.system.Z[0], grad.system.H[0], Grq)
+    keep_alive(sw_own)
+    return s0 - 1
+
+
+@numba.njit(cache=True)
+def _steady_work(m, p):
+    """An uninitialized :class:`_SteadyWork` of borrowed arrays, and their owners."""
+    own = _SteadyWork(
+        np.empty(p), np.empty(p), np.empty(p), np.empty(m), np.empty(m), np.empty((m, m)), np.empty((m, m)),
+        np.empty((m, m)), np.empty((m, m)), np.empty((p, p)), np.empty((p, m)),
+    )
+    v, w, u, af, af_bar, G, S, W1, P_bar_new, X_bar, W2 = own
+    work = _SteadyWork(
+        borrowed(v), borrowed(w), borrowed(u), borrowed(af), borrowed(af_bar), borrowed(G), borrowed(S),
+        borrowed(W1), borrowed(P_bar_new), borrowed(X_bar), borrowed(W2),
+    )
+    return work, own
+
+
+@numba.njit(cache=True)
+def _steady_reverse_steps(t, s0, window, y, system, ap, cot, grad, abar, Pbar, cache, sw, sums):
+    """Steps t, ..., s0 of :func:`_steady_adjoint_run`: on every step the mean path and the sums,
+    on the steps of the window (all when ``window = 0``) the covariance recursion
+    (:func:`_steady_cov_step`).  The arrays are unpacked before the loop, so that a step binds none."""
+    p = y.shape[1]
+    m = ap.shape[1]
+    exact = window == 0
+    c, d, Tt, Zt = system.c, system.d, system.T[0], system.Z[0]
+    K, L, Finv = cache.K, cache.L, cache.Finv
+    gy, gc, gd, gT, gZ = grad.y, grad.system.c, grad.system.d, grad.system.T[0], grad.system.Z[0]
+    _, g_llobs, g_af, g_Pf, g_ap, _, g_v, g_F = cot
+    has_llobs, has_af, has_Pf, has_ap, has_v, has_F = (
+        _has(g_llobs), _has(g_af), _has(g_Pf), _has(g_ap), _has(g_v), _has(g_F)
+    )
+    v, w, u, af, af_bar, _, _, W1, _, X_bar, _ = sw
+    _, Ss, Xs, Ms = sums
+    for s in range(t, s0 - 1, -1):
+        recursion = exact or s < s0 + window
+        if recursion and not exact and s == s0 + window - 1:
+            Pbar[:, :] = 0.0  # far steps' contribution to P_bar_s0 is below ||Lss^K||^2: dropped
+        ic, idd = ti(c, s), ti(d, s)
+        innovation(y, d, Zt, ap, s, L, v, w)  # recompute v, w = F^{-1} v and a_f = a + K v
+        for i in range(m):
+            x = ap[s, i]
+            for j in range(p):
+                x += K[i, j] * v[j]
+            af[i] = x
+        for i in range(m):  # a' = T a_f + c: c_bar += a'_bar, a_f_bar = T^T a'_bar, T_bar += a'_bar a_f^T
+            gc[ic, i] += abar[i]
+            x = g_af[s, i] if has_af else 0.0
+            for l in range(m):
+                x += Tt[l, i] * abar[l]
+            af_bar[i] = x
+            for j in range(m):
+                gT[i, j] += abar[i] * af[j]
+        ll_bar = cot.loglik + (g_llobs[s] if has_llobs else 0.0)
+        for i in range(p):  # u = K^T a_f_bar
+            x = 0.0
+            for l in range(m):
+                x += K[l, i] * af_bar[l]
+            u[i] = x
+        for i in range(p):  # X = sym(F_bar)
+            for j in range(i, p):
+                x = -0.5 * ll_bar * (Finv[i, j] - w[i] * w[j]) - 0.5 * (u[i] * w[j] + u[j] * w[i])
+                if has_F:
+                    x += 0.5 * (g_F[s, i, j] + g_F[s, j, i])
+                X_bar[i, j] = x
+                X_bar[j, i] = x
+                Xs[i, j] += x
+                if j != i:
+                    Xs[j, i] += x
+        for i in range(m):  # Mo_bar = a_f_bar w^T
+            for j in range(p):
+                Ms[i, j] += af_bar[i] * w[j]
+        if has_Pf:
+            for i in range(m):
+                for j in range(m):
+                    W1[i, j] = 0.5 * (g_Pf[s, i, j] + g_Pf[s, j, i])
+                    Ss[i, j] += W1[i, j]
+        for i in range(p):  # v = y - d - Z a: v_bar = u - ll_bar w (+ g_v); a_bar = a_f_bar - Z^T v_bar
+            vb = u[i] - ll_bar * w[i]
+            if has_v:
+                vb += g_v[s, i]
+            u[i] = vb
+            gy[s, i] += vb
+            gd[idd, i] -= vb
+            for j in range(m):
+                gZ[i, j] -= vb * ap[s, j]
+        for j in range(m):
+            x = af_bar[j]
+            for i in range(p):
+                x -= Zt[i, j] * u[i]
+            abar[j] = x + (g_ap[s, j] if has_ap else 0.0)
+        if recursion:
+            _steady_cov_step(s, exact, Zt, cache.Lss, cache.A, has_Pf, cot.predicted_cov, Pbar, sw, sums.Gs)
+
+
+@numba.njit(cache=True)
+def _steady_cov_step(s, exact, Zt, Lss, A, has_Pf, g_Pp, Pbar, sw, Gs):
+    """The covariance recursion at step s:
+    ``P_bar = Lss^T G Lss + A^T sym(Pf_bar_out) A + Z^T X Z + Mo_bar Z`` (symmetrized by :func:`_carry_cov`),
+    ``G = sym(Pbar)`` (added to ``Gs`` when ``exact``)."""
+    p, m = sw.W2.shape
+    _, w, _, _, af_bar, G, S, W1, P_bar_new, X_bar, W2 = sw
+    sym_into(Pbar, G)
+    if exact:
+        for i in range(m):
+            for j in range(m):
+                Gs[i, j] += G[i, j]
+    congruence(Lss, G, S, P_bar_new, 0.0)
+    if has_Pf:
+        congruence(A, W1, S, P_bar_new, 1.0)
+    matmul(X_bar, Zt, W2)
+    for i in range(m):
+        for j in range(m):
+            x = 0.0
+            for l in range(p):
+                x += Zt[l, i] * W2[l, j] + af_bar[i] * w[l] * Zt[l, j]
+            P_bar_new[i, j] += x
+    _carry_cov(P_bar_new, s, g_Pp, Pbar)
+
+
+@numba.njit(cache=True)
+def _steady_lyapunov_rhs(t, s0, Zt, A, cot, E, Pbar, sw, sums):
+    """The right-hand side ``sum C + E - P_bar_s0`` of ``Gs = L^T Gs L + (sum C + E - P_bar_s0)``, with
+    ``sum C = Z^T Xs Z + sym(Ms Z) + A^T Ss A + Cs``, ``Cs`` the sum of sym(cotangent of
+    predicted_cov[s]) over the stretch ``s = t, ..., s0``."""
+    p, m = sw.W2.shape
+    W2, S, Ms = sw.W2, sw.S, sums.Ms
+    Cs = np.zeros((m, m))
+    if _has(cot.predicted_cov):
+        g_Pp = cot.predicted_cov
+        for s in range(t, s0 - 1, -1):
+            for i in range(m):
+                for j in range(m):
+                    Cs[i, j] += 0.5 * (g_Pp[s, i, j] + g_Pp[s, j, i])
+    G = np.empty((m, m))
+    matmul(sums.Xs, Zt, W2)
+    matmul(Zt.T, W2, G)
+    for i in range(m):
+        for j in range(m):
+            x = 0.0
+            for l in range(p):
+                x += Ms[i, l] * Zt[l, j] + Ms[j, l] * Zt[l, i]
+            G[i, j] += 0.5 * x + Cs[i, j] + E[i, j] - 0.5 * (Pbar[i, j] + Pbar[j, i])
+    if _has(cot.filtered_cov):
+        congruence(A, sums.Ss, S, G, 1.0)
+    return G
+
+
+@numba.njit(cache=True)
+def _steady_flush(Tt, Zt, cache, sums, gT, gZ, gH, Grq):
+    """Add the covariance-path parameter cotangents of a steady stretch (the sums of
+    :func:`_steady_adjoint_run`): the predict reverse with ``G = Gs`` (its R/Q part through
+    ``Grq += Gs``, applied once by the caller); with
+    ``S = T^T Gs T + Ss``: ``A_bar = S A (P + P^T)``, ``Z_bar -= K^T A_bar``, ``H_bar += K^T S K``;
+    and ``H_bar += Xs``, ``Z_bar += Xs Z (P + P^T) + Ms^T P``.  (The generic step's terms, summed
+    with the gain terms cancelled as in :func:`_steady_adjoint_run`.)"""
+    m = Tt.shape[0]
+    p = Zt.shape[0]
+    Gs, Ss, Xs, Ms = sums
+    P, A, K, Pf = cache.P, cache.A, cache.K, cache.Pf
+    predict_cov_vjp(Gs, Tt, Pf, gT, Ss, 1.0, np.empty((m, m)))
+    Grq += Gs
+    Psum = P + P.T
+    SA = np.empty((m, m))
+    matmul(Ss, A, SA)
+    A_bar = np.empty((m, m))
+    matmul(SA, Psum, A_bar)
+    matmul(K.T, A_bar, gZ, -1.0, 1.0)
+    SK = np.empty((m, p))
+    matmul(Ss, K, SK)
+    matmul(K.T, SK, gH, 1.0, 1.0)
+    for i in range(p):
+        for j in range(p):
+            gH[i, j] += Xs[i, j]
+    XZ = np.empty((p, m))
+    matmul(Xs, Zt, XZ)
+    matmul(XZ, Psum, gZ, 1.0, 1.0)
+    matmul(Ms.T, P, gZ, 1.0, 1.0)
+
+
+# ---------------------------------------------------------------------------
+# Smith doubling for the stretch's Lyapunov equation
+# ---------------------------------------------------------------------------
+
+
+@numba.njit(cache=True)
+def _doubling_powers(Lss, n_steps):
+    """Powers ``L^T, (L^T)^2, (L^T)^4, ...`` of the steady closed-loop map until
+    ``||L^K||_F^2 <= _WINDOW_TOL``.  Returns ``(powers, K)``; ``K = 0`` if that needs ``K >= n_steps``
+    (short stretch, or ``L`` not stable enough): then the stretch runs the full recursion."""
+    m = Lss.shape[0]
+    powers = np.empty((_MAX_DOUBLINGS + 1, m, m))
+    powers[0] = Lss.T
+    for k in range(_MAX_DOUBLINGS + 1):
+        if (1 << k) >= n_steps:
+            return powers, 0
+        nrm = 0.0
+        for i in range(m):
+            for j in range(m):
+                nrm += powers[k, i, j] * powers[k, i, j]
+        if not np.isfinite(nrm):
+            return powers, 0
+        if nrm <= _WINDOW_TOL:
+            return powers[:k], 1 << k
+        if k < _MAX_DOUBLINGS:
+            matmul(powers[k], powers[k], powers[k + 1])
+    return powers, 0
+
+
+@numba.njit(cache=True)
+def _smith_doubling_sum(powers, X):
+    """``sum_{j < K} (L^T)^j X L^j`` by Smith's doubling with the stored powers (``K = 2^len(powers)``);
+    equals the Lyapunov solution ``G = L^T G L + X`` to ``||L^K||^2`` relative."""
+    m = X.shape[0]
+    G = X.copy()
+    W = np.empty((m, m))
+    Gn = np.empty((m, m))
+    for k in range(powers.shape[0]):
+        # G <- G + P G P^T with P = (L^T)^(2^k)
+        matmul(powers[k], G, W)
+        matmul(W, powers[k].T, Gn)
+        for i in range(m):
+            for j in range(m):
+                G[i, j] += Gn[i, j]
+    return G

@@ -1,0 +1,187 @@
+"""The forward Kalman filter loop: the stages of :mod:`iterops.ts._kalman_steps`, step after step, with the
+steady-state shortcut (statsmodels'): once the covariance recursion has converged, only the
+mean recursion runs."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numba
+import numpy as np
+
+from iterops._fused import keep_alive
+from iterops.ts._kalman_steps import (
+    LOG_2PI, fully_observed, innovation, loglik, observe, predict_cov, predict_mean, rqr, static_cov, static_rq,
+    system_at, ti, update_cov, update_mean, update_work, varies_over_time,
+)
+
+__all__ = ["FilterOutputs", "filter_outputs", "kalman_filter_kernel", "filter_into"]
+
+
+class FilterOutputs(NamedTuple):
+    """Per-step outputs of the filter (n steps, m states, p observables), written in place;
+    names as in :class:`iterops.ts.kalman.KalmanFilterResult`."""
+
+    loglik_obs: np.ndarray  #: (n,)
+    filtered_state: np.ndarray  #: (n, m)
+    filtered_cov: np.ndarray  #: (n, m, m)
+    predicted_state: np.ndarray  #: (n + 1, m)
+    predicted_cov: np.ndarray  #: (n + 1, m, m)
+    forecast_error: np.ndarray  #: (n, p)
+    forecast_error_cov: np.ndarray  #: (n, p, p)
+
+
+@numba.njit(cache=True)
+def filter_outputs(n, m, p):
+    """Uninitialized :class:`FilterOutputs` of an (n, m, p) filter."""
+    return FilterOutputs(
+        np.empty(n), np.empty((n, m)), np.empty((n, m, m)), np.empty((n + 1, m)), np.empty((n + 1, m, m)),
+        np.empty((n, p)), np.empty((n, p, p)),
+    )
+
+
+@numba.njit(cache=True)
+def kalman_filter_kernel(y, a0, P0, system, options):
+    """Forward filter for one series: float64 arrays, ``system`` a :class:`iterops.ts._kalman_steps.System` with
+    leading time axes, ``options`` an :class:`iterops.ts._kalman_steps.Options`.
+
+    Shapes: y (n, p); a0 (m,); P0 (m, m); c (tc, m); d (td, p); T (tT, m, m); Z (tZ, p, m);
+    R (tR, m, r); H (tH, p, p); Q (tQ, r, r) with each t* in {1, n}.
+    Returns ``(loglik, FilterOutputs)``.
+
+    Steady state (as statsmodels): when T, Z, R, H, Q are static, every component
+    is observed and the predicted covariance has converged
+    (``max|P_{t+1} - P_t| <= 1e-14 max|P_{t+1}|``), the covariance recursion is
+    frozen at ``P_{t+1}``: one more full update computes F, K, P_f from it, and
+    later fully observed steps reuse them (only the mean recursion runs, in
+    :func:`_steady_run`).  A step with missing components leaves the steady state.
+    """
+    n, p = y.shape
+    out = filter_outputs(n, a0.shape[0], p)
+    return filter_into(y, a0, P0, system, options, out), out
+
+
+@numba.njit(cache=True)
+def filter_into(y, a0, P0, system, options, out):
+    """:func:`kalman_filter_kernel` writing into preallocated :class:`FilterOutputs`; returns the log-likelihood."""
+    n, p = y.shape
+    m = a0.shape[0]
+    r = system.Q.shape[1]
+    ap, Pp = out.predicted_state, out.predicted_cov
+    ap[0] = a0
+    Pp[0] = P0
+    ws, ws_own = update_work(m, p)
+    obs, L, K, w = ws.obs, ws.L, ws.K, ws.w
+    W = np.empty((m, m))
+    RQ = np.empty((m, r))
+    RQR = np.empty((m, m))
+    static = static_cov(system)
+    sum_rq = static_rq(system)
+    if sum_rq:
+        rqr(system.R[0], system.Q[0], RQ, RQR)
+    steady = False  # P_{t} passed the convergence test at step t - 1
+    vary = varies_over_time(system)
+    st = system_at(system, 0)  # step t's matrices
+    total = 0.0
+    t = 0
+    while t < n:
+        if vary:
+            st = system_at(system, t)
+        v, F, af, Pf = out.forecast_error[t], out.forecast_error_cov[t], out.filtered_state[t], out.filtered_cov[t]
+        k = observe(ap[t], y[t], st.d, st.Z, options, v, obs)
+        ok, logdet = update_cov(Pp[t], st.Z, st.H, options.jitter, k, ws, F, Pf)
+        if not ok:  # F_oo not PD: -inf, NaN from here on
+            _fail_from(out, t)
+            total = -np.inf
+            break
+        ll = loglik(v, obs, k, logdet, L, w)
+        update_mean(ap[t], v, obs, k, K, af)
+        out.loglik_obs[t] = ll
+        total += ll
+        predict_mean(af, st.c, st.T, ap[t + 1])
+        if steady and k == p:  # freeze the covariance recursion at P_t
+            Pp[t + 1] = Pp[t]
+            t, part = _steady_run(t + 1, y, system, options, logdet, L, K, w, out)
+            total += part
+            steady = False
+            continue
+        if not sum_rq:
+            rqr(st.R, st.Q, RQ, RQR)
+        predict_cov(Pf, st.T, RQR, Pp[t + 1], W)
+        steady = static and k == p and _converged(Pp[t + 1], Pp[t])
+        t += 1
+    keep_alive(ws_own)
+    return total
+
+
+@numba.njit(cache=True)
+def _fail_from(out, t):
+    """Outputs of a filter whose step t failed: ``loglik_obs[t] = -inf``, NaN from there on."""
+    out.loglik_obs[t] = -np.inf
+    out.loglik_obs[t + 1:] = np.nan
+    out.filtered_state[t:] = np.nan
+    out.filtered_cov[t:] = np.nan
+    out.predicted_state[t + 1:] = np.nan
+    out.predicted_cov[t + 1:] = np.nan
+    out.forecast_error[t + 1:] = np.nan
+    out.forecast_error_cov[t + 1:] = np.nan
+
+
+@numba.njit(cache=True)
+def _converged(P_new, P_old):
+    """Steady-state test: ``max|P_new - P_old| <= 1e-14 max|P_new|``."""
+    diff = 0.0
+    scale = 0.0
+    for i in range(P_new.shape[0]):
+        for j in range(P_new.shape[1]):
+            diff = max(diff, abs(P_new[i, j] - P_old[i, j]))
+            scale = max(scale, abs(P_new[i, j]))
+    return diff <= 1e-14 * scale
+
+
+@numba.njit(cache=True)
+def _steady_run(t, y, system, options, logdet, L, K, w, out):
+    """Filter steps t, t+1, ... with the covariance recursion frozen at ``P_{t-1}`` (whose
+    update, ``F, L = chol(F), K, P_f``, is that of step t - 1), until a step has a missing component.  Only
+    the mean recursion runs; the loop indexes the output arrays directly (no per-step views).
+    Returns (next t, sum of ll)."""
+    n, p = y.shape
+    c, d, Tt, Zt = system.c, system.d, system.T[0], system.Z[0]
+    m = Tt.shape[0]
+    ll_obs, af, ap, v = out.loglik_obs, out.filtered_state, out.predicted_state, out.forecast_error
+    Fss, Pfss, Pss = out.forecast_error_cov[t - 1], out.filtered_cov[t - 1], out.predicted_cov[t - 1]
+    F, Pf, Pp = out.forecast_error_cov, out.filtered_cov, out.predicted_cov
+    const = -0.5 * (p * LOG_2PI + logdet)
+    total = 0.0
+    vt = np.empty(p)
+    while t < n:
+        if not fully_observed(y, t, options):
+            break
+        ic = ti(c, t)
+        innovation(y, d, Zt, ap, t, L, vt, w)
+        quad = 0.0
+        for i in range(p):
+            v[t, i] = vt[i]
+            quad += v[t, i] * w[i]
+        ll = const - 0.5 * quad
+        ll_obs[t] = ll
+        total += ll
+        for i in range(m):
+            s = ap[t, i]
+            for j in range(p):
+                s += K[i, j] * v[t, j]
+            af[t, i] = s
+        for i in range(m):
+            s = c[ic, i]
+            for l in range(m):
+                s += Tt[i, l] * af[t, l]
+            ap[t + 1, i] = s
+        for i in range(p):
+            for j in range(p):
+                F[t, i, j] = Fss[i, j]
+        for i in range(m):
+            for j in range(m):
+                Pf[t, i, j] = Pfss[i, j]
+                Pp[t + 1, i, j] = Pss[i, j]
+        t += 1
+    return t, total

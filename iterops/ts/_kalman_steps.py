@@ -1,0 +1,526 @@
+r"""One Kalman filter step, stage by stage, each stage followed by its reverse (vector-Jacobian product).
+
+The stages of step ``t`` (notation of :mod:`iterops.ts.kalman`; ``a, P`` the prediction entering
+the step, ``o`` the observed components, ``k = |o|``, ``j`` the covariance jitter)::
+
+    observe     v = y_t - d_t - Z_t a                    (NaN where missing; o, k)
+    update_cov  F = Z sym(P) Z^T + sym(H) + j I, L = chol(F_oo), K = M F_oo^{-1} (M = sym(P) Z_o^T),
+                P_f = sym(P) - K M^T - j K K^T + j I
+    update_mean a_f = a + K v_o
+    loglik      w = F_oo^{-1} v_o, ll = -(k log 2 pi + log|F_oo| + v_o^T w) / 2
+    predict     a' = T a_f + c,  P' = T P_f T^T + R sym(Q) R^T
+
+and in reverse (given the cotangents ``a'_bar, P'_bar`` of the next prediction)::
+
+    predict_vjp  -> a_f_bar, P_f_bar, c_bar, T_bar, R_bar, Q_bar
+    loglik_vjp   -> v_o_bar, F_oo_bar  (from ll_bar)
+    update_vjp   -> P_bar, Z_bar, H_bar, Z_o_bar; v_o_bar += K^T a_f_bar  (from a_f_bar, P_f_bar,
+                    v_o_bar, F_oo_bar and the output cotangent of F)
+    observe_vjp  -> a_bar, y_bar, d_bar, Z_bar  (from v_o_bar, Z_o_bar)
+
+Arrays are grouped by role in NamedTuples: :class:`System` (the system matrices), :class:`Options`
+(jitter and missing-value convention), :class:`UpdateWork` (what the update computes and its
+reverse reuses), :class:`ReverseWork`.  A stage takes a work NamedTuple when it uses most of it
+(the update and its reverse), otherwise the arrays it uses.  Work arrays are
+:func:`~iterops._linalg_kernels.borrowed`, so that passing them to a per-step function costs no
+reference counting.  Every symmetric matrix is computed on one triangle and mirrored.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numba
+import numpy as np
+
+from iterops._linalg_kernels import (
+    SMALL, borrowed, cho_solve_vec, cholesky, matmul, sym_inplace, sym_into,
+)
+
+__all__ = [
+    "LOG_2PI", "System", "Options", "UpdateWork", "update_work", "ReverseWork", "reverse_work", "ti", "system_at",
+    "static_cov", "varies_over_time", "static_rq", "missing", "fully_observed", "observe", "innovation",
+    "observe_vjp", "update_cov", "update_mean", "update_vjp", "loglik", "loglik_vjp", "predict_mean", "rqr",
+    "predict_cov", "predict_cov_vjp", "rq_vjp", "predict_vjp", "closed_loop",
+]
+
+LOG_2PI = float(np.log(2.0 * np.pi))
+
+
+class System(NamedTuple):
+    """The system matrices.  In a kernel's arguments each has a leading time axis of length 1
+    (static) or n (time-varying); :func:`system_at` gives the matrices of one step.  The
+    cotangents of the system are a ``System`` of the same shapes."""
+
+    c: np.ndarray  #: (tc, m) state intercept
+    d: np.ndarray  #: (td, p) observation intercept
+    T: np.ndarray  #: (tT, m, m) transition
+    Z: np.ndarray  #: (tZ, p, m) design
+    R: np.ndarray  #: (tR, m, r) selection
+    H: np.ndarray  #: (tH, p, p) observation noise covariance
+    Q: np.ndarray  #: (tQ, r, r) state noise covariance
+
+
+class Options(NamedTuple):
+    """Static options of a filter (the Op's props)."""
+
+    jitter: float  #: ``cov_jitter``
+    missing_value: float  #: sentinel of a missing observation (besides NaN) ...
+    use_missing_value: bool  #: ... when True
+
+
+class UpdateWork(NamedTuple):
+    """Work arrays of one step's measurement update (m states, p observables); the reverse step
+    reads what the forward step left in them."""
+
+    obs: np.ndarray  #: (p,) int64; ``obs[:k]`` = indices of the observed components
+    Ps: np.ndarray  #: (m, m) sym(P)
+    PZ: np.ndarray  #: (m, p) Ps Z^T
+    Zo: np.ndarray  #: (p, m) ``Zo[:k]`` = observed rows of Z
+    M: np.ndarray  #: (m, p) ``M[:, :k]`` = Ps Zo^T
+    L: np.ndarray  #: (p, p) ``L[:k, :k]`` = chol(F_oo)
+    K: np.ndarray  #: (m, p) ``K[:, :k]`` = M F_oo^{-1}, the gain
+    w: np.ndarray  #: (p,) ``w[:k]`` = F_oo^{-1} v_o
+
+
+@numba.njit(cache=True)
+def update_work(m, p):
+    """An uninitialized :class:`UpdateWork` of :func:`~iterops._linalg_kernels.borrowed` arrays,
+    and the arrays that own them (keep those alive with ``keep_alive`` past the last use)."""
+    own = UpdateWork(
+        np.empty(p, dtype=np.int64), np.empty((m, m)), np.empty((m, p)), np.empty((p, m)),
+        np.empty((m, p)), np.empty((p, p)), np.empty((m, p)), np.empty(p),
+    )
+    obs, Ps, PZ, Zo, M, L, K, w = own
+    work = UpdateWork(
+        borrowed(obs), borrowed(Ps), borrowed(PZ), borrowed(Zo), borrowed(M), borrowed(L), borrowed(K), borrowed(w),
+    )
+    return work, own
+
+
+class ReverseWork(NamedTuple):
+    """Work arrays of one reverse step (m states, p observables)."""
+
+    G: np.ndarray  #: (m, m) sym(P'_bar), the next prediction's covariance cotangent
+    W: np.ndarray  #: (m, m) scratch
+    S: np.ndarray  #: (m, m) sym(P_f_bar)
+    Pf_bar: np.ndarray  #: (m, m) cotangent of P_f
+    af_bar: np.ndarray  #: (m,) cotangent of a_f
+    K_bar: np.ndarray  #: (m, p) cotangent of the gain
+    M_bar: np.ndarray  #: (m, p) cotangent of M = Ps Zo^T
+    Finv: np.ndarray  #: (p, p) ``Finv[:k, :k]`` = F_oo^{-1}
+    Fo_bar: np.ndarray  #: (p, p) ``Fo_bar[:k, :k]``: cotangent of F_oo from the likelihood
+    X_bar: np.ndarray  #: (p, p) cotangent of F (all p rows)
+    XZ: np.ndarray  #: (p, m) X_bar Z, then ``XZ[:k]`` = cotangent of Zo
+    vo_bar: np.ndarray  #: (p,) ``vo_bar[:k]``: cotangent of v_o
+    a_bar_new: np.ndarray  #: (m,) cotangent of the step's a
+    P_bar_new: np.ndarray  #: (m, m) cotangent of the step's P (before symmetrization)
+
+
+@numba.njit(cache=True)
+def reverse_work(m, p):
+    """An uninitialized :class:`ReverseWork` of borrowed arrays, and their owners (as :func:`update_work`)."""
+    own = ReverseWork(
+        np.empty((m, m)), np.empty((m, m)), np.empty((m, m)), np.empty((m, m)), np.empty(m), np.empty((m, p)),
+        np.empty((m, p)), np.empty((p, p)), np.empty((p, p)), np.empty((p, p)), np.empty((p, m)), np.empty(p),
+        np.empty(m), np.empty((m, m)),
+    )
+    G, W, S, Pf_bar, af_bar, K_bar, M_bar, Finv, Fo_bar, X_bar, XZ, vo_bar, a_bar_new, P_bar_new = own
+    work = ReverseWork(
+        borrowed(G), borrowed(W), borrowed(S), borrowed(Pf_bar), borrowed(af_bar), borrowed(K_bar), borrowed(M_bar),
+        borrowed(Finv), borrowed(Fo_bar), borrowed(X_bar), borrowed(XZ), borrowed(vo_bar), borrowed(a_bar_new),
+        borrowed(P_bar_new),
+    )
+    return work, own
+
+
+# ---------------------------------------------------------------------------
+# Time indexing, missing values
+# ---------------------------------------------------------------------------
+
+
+@numba.njit(cache=True, inline="always")
+def ti(X, t):
+    """Time index into a system array with a leading time axis of length 1 (static) or n."""
+    return t if X.shape[0] > 1 else 0
+
+
+@numba.njit(cache=True, inline="always")
+def system_at(system, t):
+    """The matrices of step t (views; for static ones, their only row)."""
+    c, d, T, Z, R, H, Q = system
+    return System(c[ti(c, t)], d[ti(d, t)], T[ti(T, t)], Z[ti(Z, t)], R[ti(R, t)], H[ti(H, t)], Q[ti(Q, t)])
+
+
+@numba.njit(cache=True)
+def static_cov(system):
+    """True when the covariance recursion does not depend on t (no time-varying T, Z, R, H, Q)."""
+    return (
+        system.T.shape[0] == 1 and system.Z.shape[0] == 1 and system.R.shape[0] == 1
+        and system.H.shape[0] == 1 and system.Q.shape[0] == 1
+    )
+
+
+@numba.njit(cache=True, inline="always")
+def varies_over_time(system):
+    """True when some system matrix varies over time (else :func:`system_at` is the same every step)."""
+    return not (static_cov(system) and system.c.shape[0] == 1 and system.d.shape[0] == 1)
+
+
+@numba.njit(cache=True, inline="always")
+def static_rq(system):
+    """True when R and Q are static (``R sym(Q) R^T`` is computed once)."""
+    return system.R.shape[0] == 1 and system.Q.shape[0] == 1
+
+
+@numba.njit(cache=True, inline="always")
+def missing(yi, options):
+    return np.isnan(yi) or (options.use_missing_value and yi == options.missing_value)
+
+
+@numba.njit(cache=True, inline="always")
+def fully_observed(y, t, options):
+    for i in range(y.shape[1]):
+        if missing(y[t, i], options):
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------
+# observe: v = y_t - d_t - Z_t a
+# ---------------------------------------------------------------------------
+
+
+@numba.njit(cache=True)
+def observe(a, yt, dt, Zt, options, v, obs):
+    """v = y_t - d_t - Z_t a (NaN where missing); ``obs[:k]`` = observed indices.  Returns k."""
+    m = a.shape[0]
+    p = yt.shape[0]
+    k = 0
+    for i in range(p):
+        yi = yt[i]
+        s = yi - dt[i]
+        for l in range(m):
+            s -= Zt[i, l] * a[l]
+        if missing(yi, options):
+            v[i] = np.nan
+        else:
+            v[i] = s
+            obs[k] = i
+            k += 1
+    return k
+
+
+@numba.njit(cache=True, inline="always")
+def innovation(y, d, Zt, ap, t, L, v, w):
+    """``v = y_t - d_t - Z a_t`` and ``w = F^{-1} v`` for a fully observed step t, ``L = chol(F)``:
+    :func:`observe` and the solve of :func:`loglik` for the steady-state loops (no views)."""
+    idd = ti(d, t)
+    for i in range(y.shape[1]):
+        x = y[t, i] - d[idd, i]
+        for l in range(Zt.shape[1]):
+            x -= Zt[i, l] * ap[t, l]
+        v[i] = x
+        w[i] = x
+    cho_solve_vec(L, y.shape[1], w, w)
+
+
+@numba.njit(cache=True, inline="always")
+def observe_vjp(a, k, obs, Zo, vo_bar, Zo_bar, a_bar, gy, gd, gZ):
+    """Reverse of ``v_o = y_o - d_o - Z_o a``: ``y_bar += v_bar``, ``d_bar -= v_bar``,
+    ``Z_bar[o] += Zo_bar - v_bar a^T`` (``Zo_bar``: the cotangent of ``Z_o`` from its other use),
+    ``a_bar -= Z_o^T v_bar``.  ``gy``, ``gd``, ``gZ``: cotangents of step t's y, d, Z."""
+    m = a.shape[0]
+    for i in range(k):
+        oi = obs[i]
+        gy[oi] += vo_bar[i]
+        gd[oi] -= vo_bar[i]
+        for jj in range(m):
+            gZ[oi, jj] += Zo_bar[i, jj] - vo_bar[i] * a[jj]
+            a_bar[jj] -= Zo[i, jj] * vo_bar[i]
+
+
+# ---------------------------------------------------------------------------
+# update: F, chol(F_oo), gain, P_f; a_f = a + K v_o
+# ---------------------------------------------------------------------------
+
+
+@numba.njit(cache=True)
+def _innovation_cov(Ps, Zt, Ht, jitter, PZ, F):
+    """PZ = Ps Z^T; F = Z Ps Z^T + sym(H) + j I (all p rows, one triangle mirrored)."""
+    m = Ps.shape[0]
+    p = Zt.shape[0]
+    matmul(Ps, Zt.T, PZ)
+    for i in range(p):
+        for jj in range(i, p):
+            s = 0.5 * (Ht[i, jj] + Ht[jj, i])
+            for l in range(m):
+                s += Zt[i, l] * PZ[l, jj]
+            F[i, jj] = s
+            F[jj, i] = s
+        F[i, i] += jitter
+
+
+@numba.njit(cache=True)
+def _filtered_cov(Ps, K, M, k, jitter, Pf):
+    """Pf = Ps - K M^T - j K K^T + j I (one triangle, mirrored)."""
+    m = Ps.shape[0]
+    if m > SMALL:  # BLAS, then symmetrize
+        matmul(K[:, :k], M[:, :k].T, Pf, -1.0, 0.0)
+        if jitter != 0.0:
+            matmul(K[:, :k], K[:, :k].T, Pf, -jitter, 1.0)
+        for i in range(m):
+            for jj in range(i, m):
+                s = Ps[i, jj] + 0.5 * (Pf[i, jj] + Pf[jj, i])
+                Pf[i, jj] = s
+                Pf[jj, i] = s
+    else:
+        for i in range(m):
+            for jj in range(i, m):
+                s = Ps[i, jj]
+                for l in range(k):
+                    s -= K[i, l] * (M[jj, l] + jitter * K[jj, l])
+                Pf[i, jj] = s
+                Pf[jj, i] = s
+    for i in range(m):
+        Pf[i, i] += jitter
+
+
+@numba.njit(cache=True)
+def update_cov(P, Zt, Ht, jitter, k, ws, F, Pf):
+    """Covariance part of the measurement update.  Returns ``(ok, log|F_oo|)``.
+
+    Writes ``F = Z Ps Z^T + sym(H) + j I`` (all p rows), ``Pf = Ps - K M^T - j K K^T + j I`` and
+    every :class:`UpdateWork` array but ``w``.  For this (optimal) gain ``Pf`` equals the Joseph
+    form ``(I - K Zo) Ps (I - K Zo)^T + K H_oo K^T + j I`` that pymc-extras evaluates (expand it with
+    ``K F_oo = M``); it costs O(m^2 k) instead of O(m^3).
+    """
+    m = P.shape[0]
+    obs, Ps, PZ, Zo, M, L, K, _ = ws
+    sym_into(P, Ps)
+    _innovation_cov(Ps, Zt, Ht, jitter, PZ, F)
+    for ii in range(k):
+        i = obs[ii]
+        for l in range(m):
+            Zo[ii, l] = Zt[i, l]
+            M[l, ii] = PZ[l, i]
+        for jj in range(k):
+            L[ii, jj] = F[i, obs[jj]]  # F_oo, factored in place below
+    if not cholesky(L, L, k):
+        return False, np.nan
+    logdet = 0.0
+    for i in range(k):
+        logdet += 2.0 * np.log(L[i, i])
+    for i in range(m):  # K = M F_oo^{-1}, row by row
+        for jj in range(k):
+            K[i, jj] = M[i, jj]
+        cho_solve_vec(L, k, K[i], K[i])
+    _filtered_cov(Ps, K, M, k, jitter, Pf)
+    return True, logdet
+
+
+@numba.njit(cache=True)
+def update_mean(a, v, obs, k, K, af):
+    """a_f = a + K v_o."""
+    m = a.shape[0]
+    for i in range(m):
+        s = a[i]
+        for jj in range(k):
+            s += K[i, jj] * v[obs[jj]]
+        af[i] = s
+
+
+@numba.njit(cache=True, inline="always")
+def update_vjp(a, v, Zt, jitter, k, ws, rw, gZ, gH):
+    """Reverse of :func:`update_cov` and :func:`update_mean` (the whole measurement update).
+
+    Reads from ``rw`` (:class:`ReverseWork`) the cotangents ``Pf_bar``, ``af_bar`` of P_f, a_f,
+    ``vo_bar[:k]``, ``Fo_bar[:k, :k]`` of v_o, F_oo (from :func:`loglik_vjp`) and ``X_bar`` of F
+    (from the output).  Writes ``P_bar_new`` (cotangent of the step's P, before symmetrization),
+    ``a_bar_new = a_f_bar``, ``vo_bar += K^T a_f_bar``, ``XZ[:k] = Zo_bar`` and ``X_bar = sym(F_bar)``
+    (both for :func:`observe_vjp`); adds to ``gZ``, ``gH`` (cotangents of step t's Z, H).
+    """
+    m = a.shape[0]
+    p = Zt.shape[0]
+    obs, Ps, _, Zo, M, L, K, _ = ws
+    _, _, S, Pf_bar, af_bar, K_bar, M_bar, _, Fo_bar, X_bar, XZ, vo_bar, a_bar_new, P_bar_new = rw
+    # Pf = Ps - K M^T - j K K^T + j I, S = sym(Pf_bar): Ps_bar = S; K_bar = -S M - 2 j S K; M_bar = -S K
+    # a_f = a + K v_o: K_bar += a_f_bar v_o^T
+    sym_into(Pf_bar, S)
+    matmul(S, K[:, :k], M_bar[:, :k], -1.0, 0.0)
+    matmul(S, M[:, :k], K_bar[:, :k], -1.0, 0.0)
+    for i in range(m):
+        for jj in range(k):
+            K_bar[i, jj] += af_bar[i] * v[obs[jj]] + 2.0 * jitter * M_bar[i, jj]
+    for i in range(k):  # v_o_bar += K^T a_f_bar
+        s = 0.0
+        for l in range(m):
+            s += K[l, i] * af_bar[l]
+        vo_bar[i] = s + vo_bar[i]
+    # K = M F_oo^{-1}: M_bar += K_bar F^{-1}; Fo_bar -= K^T K_bar F^{-1}
+    for i in range(m):  # K_bar <- K_bar F^{-1}
+        cho_solve_vec(L, k, K_bar[i], K_bar[i])
+        for jj in range(k):
+            M_bar[i, jj] += K_bar[i, jj]
+    for i in range(k):
+        for jj in range(k):
+            s = 0.0
+            for l in range(m):
+                s += K[l, i] * K_bar[l, jj]
+            X_bar[obs[i], obs[jj]] += Fo_bar[i, jj] - s
+    sym_inplace(X_bar)
+    # F = Z Ps Z^T + sym(H) + j I: H_bar += X_bar; Z_bar += 2 X_bar Z Ps; Ps_bar += Z^T X_bar Z
+    for i in range(p):
+        for jj in range(p):
+            gH[i, jj] += X_bar[i, jj]
+    matmul(X_bar, Zt, XZ)
+    matmul(XZ, Ps, gZ, 2.0, 1.0)
+    matmul(Zt.T, XZ, P_bar_new)
+    for i in range(m):
+        for jj in range(m):
+            P_bar_new[i, jj] += S[i, jj]
+    # M = Ps Zo^T: Ps_bar += M_bar Zo; Zo_bar = M_bar^T Ps.   a_f = a + K v_o: a_bar = a_f_bar
+    matmul(M_bar[:, :k], Zo[:k], P_bar_new, 1.0, 1.0)
+    matmul(M_bar[:, :k].T, Ps, XZ[:k])
+    for i in range(m):
+        a_bar_new[i] = af_bar[i]
+
+
+# ---------------------------------------------------------------------------
+# loglik: ll = -(k log 2 pi + log|F_oo| + v_o^T F_oo^{-1} v_o) / 2
+# ---------------------------------------------------------------------------
+
+
+@numba.njit(cache=True)
+def loglik(v, obs, k, logdet, L, w):
+    """The step's log-likelihood, from ``L = chol(F_oo)``; writes ``w[:k] = F_oo^{-1} v_o``."""
+    for i in range(k):
+        w[i] = v[obs[i]]
+    cho_solve_vec(L, k, w, w)
+    quad = 0.0
+    for i in range(k):
+        quad += v[obs[i]] * w[i]
+    return -0.5 * (k * LOG_2PI + logdet + quad)
+
+
+@numba.njit(cache=True, inline="always")
+def loglik_vjp(ll_bar, k, w, Finv, vo_bar, Fo_bar):
+    """Reverse of :func:`loglik`: ``v_o_bar = -ll_bar w``, ``F_oo_bar = -ll_bar/2 (F_oo^{-1} - w w^T)``."""
+    for i in range(k):
+        vo_bar[i] = -ll_bar * w[i]
+        for jj in range(k):
+            Fo_bar[i, jj] = -0.5 * ll_bar * (Finv[i, jj] - w[i] * w[jj])
+
+
+# ---------------------------------------------------------------------------
+# predict: a' = T a_f + c, P' = T P_f T^T + R sym(Q) R^T
+# ---------------------------------------------------------------------------
+
+
+@numba.njit(cache=True)
+def predict_mean(af, ct, Tt, a_next):
+    """a' = T a_f + c."""
+    m = af.shape[0]
+    for i in range(m):
+        s = ct[i]
+        for l in range(m):
+            s += Tt[i, l] * af[l]
+        a_next[i] = s
+
+
+@numba.njit(cache=True)
+def rqr(Rt, Qt, RQ, out):
+    """out = R sym(Q) R^T (exactly symmetric); ``RQ`` (m, r) is scratch."""
+    m, r = Rt.shape
+    for i in range(m):
+        for jj in range(r):
+            s = 0.0
+            for l in range(r):
+                s += Rt[i, l] * (Qt[l, jj] + Qt[jj, l])
+            RQ[i, jj] = 0.5 * s
+    for i in range(m):
+        for jj in range(i, m):
+            s = 0.0
+            for l in range(r):
+                s += RQ[i, l] * Rt[jj, l]
+            out[i, jj] = s
+            out[jj, i] = s
+
+
+@numba.njit(cache=True)
+def predict_cov(Pf, Tt, RQR, P_next, W):
+    """P' = T P_f T^T + R sym(Q) R^T for a symmetric ``P_f`` (one triangle, mirrored); ``W`` scratch."""
+    m = Pf.shape[0]
+    matmul(Tt, Pf, W)
+    if m > SMALL:
+        matmul(W, Tt.T, P_next)
+        for i in range(m):
+            for jj in range(i, m):
+                s = 0.5 * (P_next[i, jj] + P_next[jj, i]) + RQR[i, jj]
+                P_next[i, jj] = s
+                P_next[jj, i] = s
+        return
+    for i in range(m):
+        for jj in range(i, m):
+            s = RQR[i, jj]
+            for l in range(m):
+                s += W[i, l] * Tt[jj, l]
+            P_next[i, jj] = s
+            P_next[jj, i] = s
+
+
+@numba.njit(cache=True)
+def predict_cov_vjp(G, Tt, Pf, gT, Pf_bar, beta, GT):
+    """Reverse of ``P' = T P_f T^T + ...`` for ``G = sym(P'_bar)`` (G and P_f symmetric):
+    ``P_f_bar = T^T G T + beta P_f_bar``, ``T_bar += 2 G T P_f``.  ``GT`` (m, m): scratch."""
+    matmul(G, Tt, GT)
+    matmul(Tt.T, GT, Pf_bar, 1.0, beta)
+    matmul(GT, Pf, gT, 2.0, 1.0)
+
+
+@numba.njit(cache=True)
+def rq_vjp(G, Rt, Qt, gR, gQ):
+    """Reverse of ``P' = ... + R sym(Q) R^T`` for ``G = sym(P'_bar)``: ``R_bar += G R (Q + Q^T)``,
+    ``Q_bar += R^T G R``.  Linear in G: static R, Q take the sum of G over all steps, once."""
+    m, r = Rt.shape
+    GR = np.empty((m, r))
+    matmul(G, Rt, GR)
+    matmul(GR, Qt + Qt.T, gR, 1.0, 1.0)
+    matmul(Rt.T, GR, gQ, 1.0, 1.0)
+
+
+@numba.njit(cache=True, inline="always")
+def predict_vjp(a_bar, P_bar, af, Pf, st, gst, sum_rq, Grq, G, W, Pf_bar, af_bar):
+    """Reverse of :func:`predict_mean` and :func:`predict_cov` for the cotangents ``a_bar``,
+    ``P_bar`` of ``a'``, ``P'``: ``Pf_bar = T^T G T`` with ``G = sym(P_bar)``, ``af_bar += T^T a_bar``;
+    ``c_bar += a_bar``, ``T_bar += a_bar a_f^T + 2 G T P_f`` and the R, Q cotangents, or
+    ``Grq += G`` when ``sum_rq`` (static R, Q: :func:`rq_vjp` once, on the sum).
+    ``st``/``gst``: the step's matrices and their cotangents (:func:`system_at`); ``W`` scratch."""
+    m = af.shape[0]
+    sym_into(P_bar, G)
+    predict_cov_vjp(G, st.T, Pf, gst.T, Pf_bar, 0.0, W)
+    if sum_rq:
+        Grq += G
+    else:
+        rq_vjp(G, st.R, st.Q, gst.R, gst.Q)
+    for i in range(m):  # c_bar += a'_bar; T_bar += a'_bar a_f^T; a_f_bar += T^T a'_bar
+        gst.c[i] += a_bar[i]
+        s = af_bar[i]
+        for l in range(m):
+            s += st.T[l, i] * a_bar[l]
+            gst.T[i, l] += a_bar[i] * af[l]
+        af_bar[i] = s
+
+
+@numba.njit(cache=True)
+def closed_loop(K, Zo, k, A):
+    """A = I - K[:, :k] Zo[:k] (the filtered-state map; the smoother's and the adjoint's L = T A)."""
+    m = A.shape[0]
+    for i in range(m):
+        for jj in range(m):
+            s = 1.0 if i == jj else 0.0
+            for l in range(k):
+                s -= K[i, l] * Zo[l, jj]
+            A[i, jj] = s
+
+
