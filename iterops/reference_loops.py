@@ -21,7 +21,8 @@ from pytensor.scan.utils import until
 
 __all__ = [
     "doubling_step", "doubling_loop", "fixed_point_step", "fixed_point_loop", "block_diag_step", "block_diag_loop",
-    "kalman_textbook_step", "kalman_textbook_loop", "levinson_step", "levinson_loop",
+    "kalman_textbook_step", "kalman_textbook_loop", "kalman_spelled_step", "kalman_filtered_step",
+    "kalman_filtered_loop", "levinson_step", "levinson_loop", "levinson_spelled_step", "block_diag_backwards_loop",
 ]
 
 LOG_2PI = float(np.log(2.0 * np.pi))
@@ -98,18 +99,125 @@ def kalman_textbook_step(y, a, P, T, Z, R, H, Q, log2pi_p):
     return T @ a_f, T @ P_f @ T.T + R @ Q @ R.T, ll
 
 
-def kalman_textbook_loop(y, a0, P0, T, Z, R, H, Q, *, step=kalman_textbook_step, **scan_kwargs):
-    """Returns ``(loglik per step (n,), predicted states (n, m), predicted covariances (n, m, m))``.
+#: The spellings :func:`kalman_spelled_step` writes (each is the same filter in exact arithmetic).
+KALMAN_GAINS = ("inv", "solve", "solve_pos")
+KALMAN_UPDATES = ("minus", "factor", "kfk", "joseph")
+KALMAN_LOGLIKS = ("det", "logdet_first", "det2pi", "slogdet", "distributed", "dot", "mvn_v", "mvn_y")
 
-    ``y`` must have a static observation dimension ``p`` (for ``p log 2 pi``).
+
+def kalman_spelled_step(gain="inv", update="minus", loglik="det", *, intercepts=False, predict_first=False):
+    """A textbook filter step in one of the spellings users write.
+
+    ``gain``: ``"inv"`` (``K = P Z^T inv(F)``, quadratic form ``v @ inv(F) @ v``), ``"solve"`` /
+    ``"solve_pos"`` (``K = solve(F, Z P).T``, ``v @ solve(F, v)``, ``assume_a="gen"`` / ``"pos"``).
+    ``update``: ``"minus"`` ``P - K Z P``, ``"factor"`` ``(I - K Z) P``, ``"kfk"`` ``P - K F K^T``,
+    ``"joseph"`` ``(I - K Z) P (I - K Z)^T + K H K^T``.
+    ``loglik``: ``"det"`` ``-0.5 (p log 2pi + log det F + q)``, ``"logdet_first"`` ``-0.5 (log det F
+    + p log 2pi + q)``, ``"det2pi"`` ``-0.5 (log det(2 pi F) + q)``, ``"slogdet"`` (``slogdet(F)[1]``),
+    ``"distributed"`` ``-0.5 p log 2pi - 0.5 log det F - 0.5 q``, ``"dot"`` (``pt.dot`` for ``q``),
+    ``"mvn_v"`` ``pm.logp(pm.MvNormal.dist(mu=0, cov=F), v)``, ``"mvn_y"`` ``pm.logp(pm.MvNormal.dist(
+    mu=Z a + d, cov=F), y)`` (these two need PyMC).
+    ``intercepts``: ``c`` and ``d`` come after the states (``v = y - Z a - d``, ``T a_f + c``).
+    ``predict_first``: the states are the filtered moments ``(a_{t-1|t-1}, P_{t-1|t-1})``; the step
+    predicts, then updates, and returns the filtered moments of step t (see :func:`kalman_filtered_loop`).
+
+    Signature: ``step(y, a, P, [c, d,] T, Z, R, H, Q, log2pi_p)`` returning ``(a, P, ll)``.
     """
+
+    def update_(y, a, P, d, Z, H, log2pi_p):
+        v = y - Z @ a - d if d is not None else y - Z @ a
+        F = Z @ P @ Z.T + H
+        if gain == "inv":
+            F_inv = pt.linalg.inv(F)
+            K = P @ Z.T @ F_inv
+            quad = pt.dot(v, pt.dot(F_inv, v)) if loglik == "dot" else v @ F_inv @ v
+        else:
+            assume_a = "pos" if gain == "solve_pos" else "gen"
+            K = pt.linalg.solve(F, Z @ P, assume_a=assume_a).T
+            F_inv_v = pt.linalg.solve(F, v, assume_a=assume_a)
+            quad = pt.dot(v, F_inv_v) if loglik == "dot" else v @ F_inv_v
+        a_f = a + K @ v
+        I_KZ = pt.eye(a.shape[0]) - K @ Z
+        P_f = {"minus": lambda: P - K @ Z @ P, "factor": lambda: I_KZ @ P, "kfk": lambda: P - K @ F @ K.T,
+               "joseph": lambda: I_KZ @ P @ I_KZ.T + K @ H @ K.T}[update]()
+        if loglik in ("det", "dot"):
+            ll = -0.5 * (log2pi_p + pt.log(pt.linalg.det(F)) + quad)
+        elif loglik == "logdet_first":
+            ll = -0.5 * (pt.log(pt.linalg.det(F)) + log2pi_p + quad)
+        elif loglik == "det2pi":
+            ll = -0.5 * (pt.log(pt.linalg.det(2 * np.pi * F)) + quad)
+        elif loglik == "slogdet":
+            _, logdet = pt.linalg.slogdet(F)
+            ll = -0.5 * (log2pi_p + logdet + quad)
+        elif loglik == "distributed":
+            ll = -0.5 * log2pi_p - 0.5 * pt.log(pt.linalg.det(F)) - 0.5 * quad
+        else:
+            import pymc as pm  # noqa: PLC0415  (only these two spellings need PyMC)
+
+            if loglik == "mvn_v":
+                ll = pm.logp(pm.MvNormal.dist(mu=0.0, cov=F), v)
+            else:
+                ll = pm.logp(pm.MvNormal.dist(mu=Z @ a + d if d is not None else Z @ a, cov=F), y)
+        return a_f, P_f, ll
+
+    def predict_(a_f, P_f, c, T, R, Q):
+        return (T @ a_f + c if c is not None else T @ a_f), T @ P_f @ T.T + R @ Q @ R.T
+
+    def body(y, a, P, c, d, T, Z, R, H, Q, log2pi_p):
+        if predict_first:
+            a, P = predict_(a, P, c, T, R, Q)
+            return update_(y, a, P, d, Z, H, log2pi_p)
+        a_f, P_f, ll = update_(y, a, P, d, Z, H, log2pi_p)
+        return (*predict_(a_f, P_f, c, T, R, Q), ll)
+
+    if intercepts:
+        return body
+
+    def step(y, a, P, T, Z, R, H, Q, log2pi_p):
+        return body(y, a, P, None, None, T, Z, R, H, Q, log2pi_p)
+
+    return step
+
+
+def kalman_filtered_step(y, a, P, T, Z, R, H, Q, log2pi_p):
+    """Predict, then update: the states are the filtered moments; the output the log-likelihood."""
+    a_p = T @ a
+    P_p = T @ P @ T.T + R @ Q @ R.T
+    v = y - Z @ a_p
+    F = Z @ P_p @ Z.T + H
+    F_inv = pt.linalg.inv(F)
+    K = P_p @ Z.T @ F_inv
+    ll = -0.5 * (log2pi_p + pt.log(pt.linalg.det(F)) + v @ F_inv @ v)
+    return a_p + K @ v, P_p - K @ Z @ P_p, ll
+
+
+def _kalman_scan(step, y, a0, P0, T, Z, R, H, Q, c, d, scan_kwargs):
     p = y.type.shape[-1]
     if p is None:
-        raise ValueError(f"kalman_textbook_loop: y needs a static last dimension, got shape {y.type.shape}")
+        raise ValueError(f"kalman loops: y needs a static last dimension, got shape {y.type.shape}")
     log2pi_p = pt.constant(p * LOG_2PI, dtype=y.dtype)
+    intercepts = [] if c is None and d is None else [c, d]
     a, Ps, ll = pytensor.scan(step, sequences=[y], outputs_info=[a0, P0, None],
-                              non_sequences=[T, Z, R, H, Q, log2pi_p], return_updates=False, **scan_kwargs)
+                              non_sequences=[*intercepts, T, Z, R, H, Q, log2pi_p], return_updates=False,
+                              **scan_kwargs)
     return ll, a, Ps
+
+
+def kalman_textbook_loop(y, a0, P0, T, Z, R, H, Q, *, c=None, d=None, step=kalman_textbook_step, **scan_kwargs):
+    """Returns ``(loglik per step (n,), predicted states (n, m), predicted covariances (n, m, m))``.
+
+    ``y`` must have a static observation dimension ``p`` (for ``p log 2 pi``).  With intercepts ``c`` and
+    ``d`` (both), the step receives them after the states (see :func:`kalman_spelled_step`).
+    """
+    return _kalman_scan(step, y, a0, P0, T, Z, R, H, Q, c, d, scan_kwargs)
+
+
+def kalman_filtered_loop(y, a0, P0, T, Z, R, H, Q, *, c=None, d=None, step=kalman_filtered_step, **scan_kwargs):
+    """Predict-then-update loop from the filtered moments ``(a0, P0)`` of time 0.
+
+    Returns ``(loglik per step (n,), filtered states (n, m), filtered covariances (n, m, m))``.
+    """
+    return _kalman_scan(step, y, a0, P0, T, Z, R, H, Q, c, d, scan_kwargs)
 
 
 # ---------------------------------------------------------------------------
@@ -125,9 +233,29 @@ def levinson_step(k, phi, v, gamma):
     return new_phi, v * (1 - kappa**2), kappa
 
 
+def levinson_spelled_step(v_update="square"):
+    """:func:`levinson_step` with the innovation variance update spelled ``"square"`` ``v * (1 - kappa**2)``,
+    ``"minus"`` ``v - kappa**2 * v`` or ``"factored"`` ``v * (1 - kappa) * (1 + kappa)``."""
+
+    def step(k, phi, v, gamma):
+        kappa = (gamma[k + 1] - pt.sum(phi[:k] * gamma[1:k + 1][::-1])) / v
+        new_phi = pt.set_subtensor(phi[:k], phi[:k] - kappa * phi[:k][::-1])
+        new_phi = pt.set_subtensor(new_phi[k], kappa)
+        new_v = {"square": lambda: v * (1 - kappa**2), "minus": lambda: v - kappa**2 * v,
+                 "factored": lambda: v * (1 - kappa) * (1 + kappa)}[v_update]()
+        return new_phi, new_v, kappa
+
+    return step
+
+
 def levinson_loop(gamma, order, *, step=levinson_step, **scan_kwargs):
     """AR(order) coefficients from autocovariances ``gamma``: returns ``(phi, sigma2, pacf)``."""
     phis, vs, kappas = pytensor.scan(step, sequences=[pt.arange(order)],
                                      outputs_info=[pt.zeros(order, dtype=gamma.dtype), gamma[0], None],
                                      non_sequences=[gamma], return_updates=False, **scan_kwargs)
     return phis[-1], vs[-1], kappas
+
+
+def block_diag_backwards_loop(x, *, step=block_diag_step, **scan_kwargs):
+    """:func:`block_diag_loop` with ``go_backwards=True``: the blocks are written last to first."""
+    return block_diag_loop(x, step=step, go_backwards=True, **scan_kwargs)

@@ -307,13 +307,13 @@ def _kalman_symbols():
                 Z=pt.matrix("Z"), R=pt.matrix("R"), LH=pt.matrix("LH"), LQ=pt.matrix("LQ"))
 
 
-def _kalman_build(step, loop, k):
+def _kalman_build(step, loop, k, loop_fn=ref.kalman_textbook_loop):
     s = _kalman_symbols()
     kw = _loop_kwargs(loop, k, (KN - 3, 1, -3))
     P0, H, Q = s["L0"] @ s["L0"].T, s["LH"] @ s["LH"].T, s["LQ"] @ s["LQ"].T
     if loop == "init":
         P0 = (s["L0"], s["L0"] + s["L0"].T, s["L0"] @ s["L0"].T + 1.0)[k % 3]
-    ll, a, Ps = ref.kalman_textbook_loop(s["y"], s["a0"], P0, s["T"], s["Z"], s["R"], H, Q, step=step, **kw)
+    ll, a, Ps = loop_fn(s["y"], s["a0"], P0, s["T"], s["Z"], s["R"], H, Q, step=step, **kw)
     return list(s.values()), [ll, a, Ps]
 
 
@@ -377,6 +377,9 @@ HARNESSES = {
     "block_diag_sequence": Harness(_block_sequence_step, lambda s, lp, k: _block_build(s, lp, k, sequence=True),
                                    _block_values),
     "kalman_textbook": Harness(ref.kalman_textbook_step, _kalman_build, _kalman_values),
+    "kalman_textbook_filtered": Harness(ref.kalman_filtered_step,
+                                        lambda s, lp, k: _kalman_build(s, lp, k, loop_fn=ref.kalman_filtered_loop),
+                                        _kalman_values),
     "kalman_pymc_extras": Harness(_pymc_extras_step, _pymc_extras_build, _pymc_extras_values),
     "levinson_durbin": Harness(ref.levinson_step, _levinson_build, _levinson_values),
 }

@@ -3,8 +3,9 @@
 Matches: the compiled graph holds the Kalman Op and no Scan; values and
 gradients equal the unrewritten Scan (``excluding("iterops")``, FAST_COMPILE,
 autodiff of the Scan).  pymc-extras: its ``StandardFilter`` graph (all seven
-outputs, NaN and sentinel missing values) and a real state-space model's
-``compile_logp``/``compile_dlogp``.  Near misses stay Scans.
+outputs, NaN and sentinel missing values), with static and with time-varying
+system matrices, and a real state-space model's ``compile_logp``/``compile_dlogp``;
+its square-root and univariate filters stay Scans.  Near misses stay Scans.
 """
 
 import warnings
@@ -189,17 +190,81 @@ def test_pymc_extras_near_misses_stay_scans(name):
     assert any(p == "kalman_pymc_extras" for p, _ in report.kept[0].reasons), str(report)
 
 
-def test_pymc_extras_time_varying_stays_scan(pe_data):
-    """Time-varying matrices are Scan sequences: not recognized (documented); the graph is unchanged."""
+def _time_varying_case(names, rng):
+    """pymc-extras' StandardFilter with the system matrices ``names`` time-varying (Scan sequences)."""
     from pymc_extras.statespace.filters import StandardFilter
 
     s = _symbols()
-    Zs = pt.tensor("Zs", shape=(N, P, M))
-    filt = StandardFilter(time_varying_names=("design",))
-    P0 = s["L0"] @ s["L0"].T
-    outs = filt.build_graph(s["y"], s["a0"], P0, s["c"], s["d"], s["T"], Zs, s["R"],
-                            s["LH"] @ s["LH"].T, s["LQ"] @ s["LQ"].T)
-    assert not iterops.explain(outs[-1]).replaced
+    vals = {**_system(rng)}
+    vals["y"][4, 1] = np.nan
+    vals["y"][9, 0] = -9999.0
+    syms = {k: s[k] for k in ("y", "a0", "L0", "c", "d", "T", "Z", "R", "LH", "LQ")}
+    mats = dict(c=s["c"], d=s["d"], T=s["T"], Z=s["Z"], R=s["R"], H=s["LH"] @ s["LH"].T, Q=s["LQ"] @ s["LQ"].T)
+    # a sequence of matrices per time-varying name (pymc-extras' names -> the filter's argument)
+    tv = {"state_intercept": ("c", (N, M)), "obs_intercept": ("d", (N, P)), "transition": ("T", (N, M, M)),
+          "design": ("Z", (N, P, M)), "selection": ("R", (N, M, R_)), "obs_cov": ("LH", (N, P, P)),
+          "state_cov": ("LQ", (N, R_, R_))}
+    for name in names:
+        key, shape = tv[name]
+        x = pt.tensor(key + "_t", shape=shape)
+        syms[key] = x
+        vals[key] = (0.5 * np.eye(shape[-1]) + 0.2 * rng.normal(size=shape) if key in ("LH", "LQ", "T")
+                     else rng.normal(size=shape))
+        if key == "LH":
+            mats["H"] = x @ x.mT
+        elif key == "LQ":
+            mats["Q"] = x @ x.mT
+        else:
+            mats[key] = x
+    outs = StandardFilter(time_varying_names=names).build_graph(
+        syms["y"], syms["a0"], syms["L0"] @ syms["L0"].T, mats["c"], mats["d"], mats["T"], mats["Z"], mats["R"],
+        mats["H"], mats["Q"])
+    keys = list(syms)
+    return outs, [syms[k] for k in keys], [vals[k] for k in keys]
+
+
+TIME_VARYING = [("design",), ("obs_intercept", "design"),
+                ("state_intercept", "transition", "selection", "obs_cov", "state_cov")]
+
+
+@pytest.mark.parametrize("names", TIME_VARYING, ids=lambda n: "+".join(n))
+def test_pymc_extras_time_varying_matrices(names):
+    """Time-varying system matrices (Scan sequences, e.g. a design of exogenous regressors): fused, and
+    all seven outputs and their gradients equal pymc-extras' own Scan."""
+    outs, ins, vals = _time_varying_case(names, np.random.default_rng(17))
+    report = iterops.explain(outs)
+    assert [r.pattern for r in report.replaced] == ["kalman_pymc_extras"], str(report)
+    _compare(outs, ins[1:], ins, vals)
+
+
+def test_pymc_extras_time_varying_unsymmetric_obs_cov_stays_scan():
+    """A time-varying H that is not provably symmetric keeps the Scan (as for a static one)."""
+    from pymc_extras.statespace.filters import StandardFilter
+
+    s = _symbols()
+    Hs = pt.tensor("Hs", shape=(N, P, P))
+    outs = StandardFilter(time_varying_names=("obs_cov",)).build_graph(
+        s["y"], s["a0"], s["L0"] @ s["L0"].T, s["c"], s["d"], s["T"], s["Z"], s["R"], Hs, s["LQ"] @ s["LQ"].T)
+    report = iterops.explain(outs[-1])
+    assert not report.replaced and "not provably symmetric" in str(report), str(report)
+
+
+@pytest.mark.parametrize("filter_name", ["SquareRootFilter", "UnivariateFilter"])
+def test_pymc_extras_other_filters_stay_scans(filter_name, pe_data):
+    """pymc-extras' square-root and univariate filters run other arithmetic (Cholesky-factor updates,
+    one observation at a time in a nested Scan): no fused Op reproduces it, so they stay Scans, and the
+    compiled graph (rewrite registered) computes what pymc-extras computes."""
+    import pymc_extras.statespace.filters as filters
+
+    s = _symbols()
+    outs = _standard_filter_outputs(s, getattr(filters, filter_name)())
+    assert not iterops.explain(outs).replaced
+    names = list(s)
+    ins, vals = [s[k] for k in names], [pe_data[k] for k in names]
+    f = pytensor.function(ins, outs[-1].sum())
+    assert _has_scan(f) and not _has_kalman(f)
+    ref = pytensor.function(ins, outs[-1].sum(), mode=_SCAN_MODE)
+    np.testing.assert_allclose(f(*vals), ref(*vals), rtol=1e-10)
 
 
 @pytest.fixture(scope="module")

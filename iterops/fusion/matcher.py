@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.graph.basic import Variable
+from pytensor.graph.traversal import io_toposort
 from pytensor.scan.utils import ScanArgs
 
 from iterops.fusion.canonical import (  # noqa: F401  (re-exported: the matcher's public names)
@@ -66,6 +67,8 @@ class Match:
     variant: int = 0
     #: outer var -> (row-wise wrappers, trailing indices): how a use reads the value (see ``_uses``)
     views: dict = field(default_factory=dict)
+    #: roles of non-sequences (``Role.time_varying_ok``) the loop reads as sequences, one row per step
+    time_varying: frozenset = frozenset()
 
     def n_steps_value(self):
         """``n_steps`` as a Python int if constant, else None."""
@@ -109,16 +112,28 @@ def _match_pattern(fgraph, node, user: _UserGraph, pattern: Pattern) -> Match:
     if pattern.outputs and len(used_outputs) > len(pattern.outputs):
         raise Reject(f"the loop has {len(used_outputs)} used per-step outputs, the pattern at most "
                      f"{len(pattern.outputs)}", 0.0)
+    if pattern.needs_ops and not set(pattern.needs_ops) & _op_names(user):
+        raise Reject(f"the step has none of the operations {', '.join(pattern.needs_ops)}", 0.0)
     best = None
     for variant in range(len(pattern.step)):
-        ref = _ref_graph(pattern, variant, user.dtype)
         try:
+            ref = _ref_graph(pattern, variant, user.dtype)  # a step may Reject (e.g. needs a library not imported)
             for env in _unify_loop(pattern, ref, user, used_outputs if pattern.outputs else ()):
                 return _check_outer(fgraph, node, user, pattern, env, variant, ref)
         except Reject as err:
             if best is None or err.score > best.score:
                 best = err
     raise best
+
+
+def _op_names(user) -> set:
+    """Class names of the Ops (core Ops of ``Blockwise``) in the user's canonical step."""
+    names = getattr(user, "_op_names", None)
+    if names is None:
+        names = {type(getattr(n.op, "core_op", n.op)).__name__
+                 for n in io_toposort(user.inner_inputs, user.inner_outputs)}
+        user._op_names = names
+    return names
 
 
 def _check_outer(fgraph, node, user, pattern, env, variant, ref) -> Match:
@@ -195,8 +210,12 @@ def _check_outer(fgraph, node, user, pattern, env, variant, ref) -> Match:
             raise Reject("the loop has extra outputs that are used outside", score)
     if not any(uses.values()):
         raise Reject("no output of the loop is used", score)
+    nonseq = {r.name for r in pattern.non_sequences}
+    time_varying = frozenset(name for name, u in env.roles.items()
+                             if name in nonseq and not _is_constant(u) and user.kind.get(u) == "seq")
     m = Match(pattern=pattern, node=node, args=a, inner=dict(env.roles), outer=outer, n_steps=a.n_steps,
-              as_while=a.as_while, dtype=user.dtype, uses=uses, variant=variant, views=views)
+              as_while=a.as_while, dtype=user.dtype, uses=uses, variant=variant, views=views,
+              time_varying=time_varying)
     if pattern.check is not None:
         reason = pattern.check(m)
         if reason:

@@ -83,10 +83,12 @@ def _is_broadcast_scalar(v):
 
 
 def _transposed(v):
-    """``x`` if ``v`` is ``x.T`` (a matrix transpose), else None."""
+    """``x`` if ``v`` is ``x.T`` (a matrix transpose, or ``x.mT`` of a batch of matrices), else None."""
     op = _op(v)
-    if isinstance(op, DimShuffle) and tuple(op.new_order) == (1, 0):
-        return _core(v.owner.inputs[0])
+    if isinstance(op, DimShuffle):
+        nd = op.input_ndim
+        if nd >= 2 and tuple(op.new_order) == (*range(nd - 2), nd - 1, nd - 2):
+            return _core(v.owner.inputs[0])
     return None
 
 

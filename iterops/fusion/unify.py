@@ -53,7 +53,7 @@ from pytensor.tensor.shape import Shape, Shape_i, SpecifyShape
 from pytensor.tensor.subtensor import Subtensor
 
 from iterops.fusion.canonical import _canonicalize, _rebuild, _UserGraph
-from iterops.fusion.registry import Pattern
+from iterops.fusion.registry import OneOf, Pattern
 
 __all__ = ["Reject"]
 
@@ -100,6 +100,33 @@ def _parse_step_return(ret):
     return list(ret), cond
 
 
+def _is_one_of(v) -> bool:
+    return v.owner is not None and isinstance(v.owner.op, OneOf)
+
+
+def _mandatory_roles(outputs, role_of) -> set:
+    """The role inputs every way of matching ``outputs`` reads (a :func:`~iterops.fusion.registry.one_of`
+    requires only the roles all of its alternatives read)."""
+    memo: dict = {}
+
+    def need(v):
+        if v in memo:
+            return memo[v]
+        memo[v] = set()  # (graphs are acyclic: a placeholder only)
+        if v in role_of:
+            out = {v}
+        elif v.owner is None:
+            out = set()
+        elif _is_one_of(v):
+            out = set.intersection(*(need(a) for a in v.owner.inputs))
+        else:
+            out = set().union(*(need(i) for i in v.owner.inputs))
+        memo[v] = out
+        return out
+
+    return set().union(*(need(o) for o in outputs))
+
+
 def _ref_graph(pattern: Pattern, variant: int, dtype: str) -> _RefGraph:
     key = (pattern.name, variant, dtype)
     if key in _REF_CACHE:
@@ -119,7 +146,7 @@ def _ref_graph(pattern: Pattern, variant: int, dtype: str) -> _RefGraph:
     fg = FunctionGraph(inputs, _rebuild(inputs, [*outs, *([cond] if cond is not None else [])], inputs),
                        clone=False)
     _canonicalize(fg)
-    reached = set(ancestors([*fg.outputs[:ns], *fg.outputs[ns + no:]]))
+    reached = _mandatory_roles([*fg.outputs[:ns], *fg.outputs[ns + no:]], role_of)
     ref = _RefGraph(role_of=role_of, updates=list(fg.outputs[:ns]), outputs=list(fg.outputs[ns:ns + no]),
                     cond=fg.outputs[ns + no] if cond is not None else None,
                     used_roles=frozenset(r.name for v, (r, _) in role_of.items() if v in reached))
@@ -206,6 +233,11 @@ def _matvec(v):
     e = _strip(e)
     if e.owner is not None and isinstance(e.owner.op, DimShuffle) and tuple(e.owner.op.new_order) == (0, "x"):
         return X, e.owner.inputs[0]
+    if _scalar_type(e) in (ps.Add, ps.Sub, ps.Neg):
+        # X @ (y - Z a) with the expand_dims lifted into the sum: the vector is the squeezed sum
+        x = _reshape_term(node.op, e)
+        if x is not None:
+            return X, x
     return None
 
 
@@ -323,7 +355,49 @@ def _signed_terms(v, sign=1):
                 other = v.owner.inputs[1 - i]
                 if other.type.broadcastable == v.type.broadcastable:
                     return _signed_terms(other, -sign)
+    ds = _reshaped_sum(v)
+    if ds is not None:
+        # expand_dims / squeeze of a sum: the sum of the reshaped terms (canonicalization lifts these
+        # DimShuffles through sums or not depending on how many clients a term has)
+        op, inner = ds
+        terms = [(s, _reshape_term(op, t)) for s, t in _signed_terms(inner, sign)]
+        if all(t is not None for _, t in terms):
+            return terms
     return [(sign, v)]
+
+
+def _reshaped_sum(v):
+    """``(op, x)`` if ``v`` is an expand_dims or squeeze DimShuffle ``op`` of a sum ``x``, else None."""
+    if v.owner is None or not isinstance(v.owner.op, DimShuffle):
+        return None
+    op = v.owner.op
+    if not (op.is_expand_dims or op.is_squeeze):
+        return None
+    x = _strip(v.owner.inputs[0])
+    if _scalar_type(x) in (ps.Add, ps.Sub, ps.Neg):
+        return op, x
+    return None
+
+
+_RESHAPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _reshape_term(op, t):
+    """The expand_dims / squeeze ``op`` applied to ``t``, cancelling an inverse DimShuffle of ``t``
+    (``squeeze(expand_dims(x, k), k)`` is ``x``); one node per ``(op, t)``; None if ``op`` does not apply."""
+    t = _strip(t)
+    if t.owner is not None and isinstance(t.owner.op, DimShuffle):
+        inner = t.owner.op
+        if (inner.is_expand_dims and op.is_squeeze and inner.augment == op.drop) or \
+                (inner.is_squeeze and op.is_expand_dims and inner.drop == op.augment):
+            return t.owner.inputs[0]
+    memo = _RESHAPED.setdefault(t, {})
+    if op not in memo:
+        try:
+            memo[op] = op(t)
+        except Exception:  # noqa: BLE001  (e.g. a squeeze of a non-broadcastable axis)
+            memo[op] = None
+    return memo[op]
 
 
 _NEG: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -343,7 +417,7 @@ def _form(v):
     st = _scalar_type(v)
     if isinstance(op, Dot) or _matvec(v) is not None:
         return "dot", _dot_factors(v), True
-    if st in (ps.Add, ps.Sub):
+    if st in (ps.Add, ps.Sub) or _reshaped_sum(v) is not None:
         # a sum of signed terms: (y - Z a) - d equals (y - d) - Z a
         return ps.Add, [t if sgn > 0 else _negated(t) for sgn, t in _signed_terms(v)], False
     if st in _ASSOCIATIVE:
@@ -355,6 +429,35 @@ def _form(v):
     if st in _FLIP.values():
         return st, list(v.owner.inputs), True
     return (_op_key(op), v.owner.outputs.index(v)), list(v.owner.inputs), True
+
+
+#: The signature of a reference graph holding :class:`~iterops.fusion.registry.OneOf` alternatives
+#: (``hash`` never returns -1): it filters nothing.
+_WILD = -1
+
+
+def _expansions(key, children):
+    """The operand lists of a reference node of form ``key`` with each ``one_of`` operand replaced by one
+    of its alternatives, flattened as the user's graph is (a product in a chain of products, a sum in a
+    sum).  ``[children]`` when no operand has alternatives."""
+    for j, c in enumerate(children):
+        neg = key is ps.Add and c.owner is not None and _scalar_type(c) is ps.Neg and _is_one_of(_strip(c.owner.inputs[0]))
+        alt_node = _strip(c.owner.inputs[0]) if neg else _strip(c)
+        if not _is_one_of(alt_node):
+            continue
+        out = []
+        for alt in alt_node.owner.inputs:
+            if key == "dot":
+                parts = _dot_factors(alt)
+            elif key is ps.Add:
+                parts = [t if sgn > 0 else _negated(t) for sgn, t in _signed_terms(alt, -1 if neg else 1)]
+            elif isinstance(key, type) and key in _ASSOCIATIVE:
+                parts = _flatten(alt, key)
+            else:
+                return [children]  # an ordered operand: unify() tries the alternatives one by one
+            out.extend(_expansions(key, [*children[:j], *parts, *children[j + 1:]]))
+        return out
+    return [children]
 
 
 class _Unifier:
@@ -371,10 +474,13 @@ class _Unifier:
         if s is None:
             if v.owner is None or _shape_access(v) is not None:
                 s = 0
+            elif _is_one_of(v):
+                s = _WILD
             else:
                 key, children, ordered = _form(v)
                 cs = [self.sig(x, memo) for x in children]
-                s = hash((key, ordered, tuple(cs) if ordered else tuple(sorted(cs))))
+                # a reference graph holding alternatives below: no filter
+                s = _WILD if _WILD in cs else hash((key, ordered, tuple(cs) if ordered else tuple(sorted(cs))))
             memo[v] = s
         return s
 
@@ -390,6 +496,10 @@ class _Unifier:
         ref_role = self.ref.role_of.get(r)
         if ref_role is not None:
             yield from self._bind_role(ref_role, r, u, env, depth)
+            return
+        if _is_one_of(r):
+            for alt in r.owner.inputs:
+                yield from self.unify(alt, u, env, depth, parent)
             return
         u = self.user.lifted.get(u, u)  # a lifted constant where the reference computes something
         if _is_constant(r):
@@ -424,10 +534,11 @@ class _Unifier:
         if rkey != ukey:
             self.fail(depth, r, u, parent=parent)
             return
-        if ordered:
-            yield from self.unify_seq(rch, uch, env, depth + 1, (r, u))
-        else:
-            yield from self.unify_bag(rch, uch, env, depth + 1, (r, u))
+        for rch in _expansions(rkey, rch):
+            if ordered:
+                yield from self.unify_seq(rch, uch, env, depth + 1, (r, u))
+            else:
+                yield from self.unify_bag(rch, uch, env, depth + 1, (r, u))
 
     def _broadcast_scalar_role(self, r):
         """The scalar ``constant_ok`` role ``r`` broadcasts (``ExpandDims``), else None."""
@@ -460,6 +571,8 @@ class _Unifier:
                 self.fail(depth, r, u, f"{role.name} must be a {kind} input, found {_describe(u)}")
             return
         ukind = self.user.kind.get(u)
+        if role.time_varying_ok and (kind, ukind) == ("nonseq", "seq"):
+            ukind = kind  # a time-varying matrix: the loop reads one row of a sequence per step
         if ukind != kind or (u in env.users and u not in lifted) or u.type.ndim != role.ndim:
             self.fail(depth, r, u, f"{role.name} must be a {kind} input of ndim {role.ndim}, found {_describe(u)}")
             return
@@ -484,7 +597,7 @@ class _Unifier:
             return
         r0 = rs[0]
         s0 = self.sig(r0, self._rsig)
-        same = [j for j, u in enumerate(us) if self.sig(u, self._usig) == s0]
+        same = [] if s0 == _WILD else [j for j, u in enumerate(us) if self.sig(u, self._usig) == s0]
         # operands of the same shape of graph first; the others only to locate a mismatch
         for j in same or range(len(us)):
             for e in self.unify(r0, us[j], env, depth, parent):

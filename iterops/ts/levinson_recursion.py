@@ -144,13 +144,29 @@ def _reflect(x, k, c):
         x[m] = x[m] - c * x[m]
 
 
+#: How the loop spells the variance update (``v_update``): the kernel runs the same operations, so that
+#: cancellation near ``|kappa| = 1``, the sign of a zero ``v`` and overflow are the loop's.
+V_UPDATES = ("square", "minus", "factored")
+
+
 @_njit
-def _step(gamma, k, phi, v):
+def _new_v(v, kappa, v_form, one):
+    """``v (1 - kappa^2)`` as the loop spells it: 0 ``v * (1 - kappa**2)``, 1 ``v - kappa**2 * v``,
+    2 ``v * (1 - kappa) * (1 + kappa)`` (``one``: 1 in the loop's dtype)."""
+    if v_form == 1:
+        return v - (kappa * kappa) * v
+    if v_form == 2:
+        return v * (one - kappa) * (one + kappa)
+    return v * (one - kappa * kappa)
+
+
+@_njit
+def _step(gamma, k, phi, v, v_form):
     """Step ``k`` of the loop: updates ``phi`` in place, returns ``(kappa, new v)``."""
     kappa = _numerator(gamma, k, phi) / v
     _reflect(phi, k, kappa)  # phi[:k] - kappa * phi[:k][::-1]
     phi[k] = kappa
-    return kappa, v * (gamma.dtype.type(1) - kappa * kappa)
+    return kappa, _new_v(v, kappa, v_form, gamma.dtype.type(1))
 
 
 @_njit
@@ -186,7 +202,7 @@ def _step_vjp(gamma, k, phi, v, kappa, phi_bar, v_bar, kappa_bar, gamma_bar):
 
 
 @_njit
-def _forward(gamma, order):
+def _forward(gamma, order, v_form):
     """The loop over ``k = 0..order-1``; returns ``(phi, v, tape)`` (``gamma`` long enough)."""
     p = order
     tape = _Tape(np.zeros((p, p), dtype=gamma.dtype), np.zeros(p, dtype=gamma.dtype), np.zeros(p, dtype=gamma.dtype))
@@ -195,13 +211,13 @@ def _forward(gamma, order):
     for k in range(p):
         tape.phi[k, :] = phi
         tape.v[k] = v
-        kappa, v = _step(gamma, k, phi, v)
+        kappa, v = _step(gamma, k, phi, v, v_form)
         tape.kappa[k] = kappa
     return phi, v, tape
 
 
 @_njit
-def levinson_recursion_kernel(gamma, order):
+def levinson_recursion_kernel(gamma, order, v_form=0):
     """The loop on a 1-d float32/float64 ``gamma`` (n,), computed in its dtype.
 
     Returns ``(phi (order,), v, kappa (order,))``; all NaN if ``n < order + 1``.
@@ -210,12 +226,12 @@ def levinson_recursion_kernel(gamma, order):
     if gamma.shape[0] < p + 1:
         nan = gamma.dtype.type(np.nan)
         return np.full(p, nan, dtype=gamma.dtype), nan, np.full(p, nan, dtype=gamma.dtype)
-    phi, v, tape = _forward(gamma, p)
+    phi, v, tape = _forward(gamma, p, v_form)
     return phi, v, tape.kappa
 
 
 @_njit
-def levinson_recursion_vjp_kernel(gamma, order, phi_bar, v_bar, kappa_bar):
+def levinson_recursion_vjp_kernel(gamma, order, phi_bar, v_bar, kappa_bar, v_form=0):
     """Cotangent of ``gamma`` (n,) given cotangents of ``phi`` (order,), ``v`` and ``kappa`` (order,).
 
     All in ``gamma``'s dtype; all NaN if ``n < order + 1``.
@@ -225,7 +241,7 @@ def levinson_recursion_vjp_kernel(gamma, order, phi_bar, v_bar, kappa_bar):
     if n < order + 1:
         gamma_bar[:] = np.nan
         return gamma_bar
-    _, _, tape = _forward(gamma, order)
+    _, _, tape = _forward(gamma, order, v_form)
     phi_bar = phi_bar.copy()
     for k in range(order - 1, -1, -1):
         v_bar = _step_vjp(
@@ -241,12 +257,12 @@ def levinson_recursion_vjp_kernel(gamma, order, phi_bar, v_bar, kappa_bar):
 
 
 @entry_point
-def _recursion_entry(order: int, dtype: str):
+def _recursion_entry(order: int, v_form: int, dtype: str):
     work = np.dtype(dtype).type
 
     @numba.njit(error_model="numpy")
     def run(gamma):
-        phi, v, kappa = levinson_recursion_kernel(np.ascontiguousarray(gamma).astype(work), order)
+        phi, v, kappa = levinson_recursion_kernel(np.ascontiguousarray(gamma).astype(work), order, v_form)
         return phi, np.asarray(v), kappa
 
     return run
@@ -256,11 +272,12 @@ def _recursion_entry(order: int, dtype: str):
 class LevinsonRecursion(FusedOp):
     """Core Op ``(n)->(p),(),(p)``: the loop's ``(phi, sigma2, kappa)``; use :func:`levinson_recursion`."""
 
-    __props__ = ("order",)
+    __props__ = ("order", "v_form")
     gufunc_signature = "(n)->(p),(),(p)"
 
-    def __init__(self, order: int):
+    def __init__(self, order: int, v_form: int = 0):
         self.order = int(order)
+        self.v_form = int(v_form)
 
     def make_node(self, gamma):
         gamma = pt.as_tensor_variable(gamma)
@@ -272,7 +289,7 @@ class LevinsonRecursion(FusedOp):
         return [(self.order,), (), (self.order,)]
 
     def numba_fn(self, node):
-        return _recursion_entry(self.order, node.outputs[0].type.dtype)
+        return _recursion_entry(self.order, self.v_form, node.outputs[0].type.dtype)
 
     def pullback(self, inputs, outputs, cotangents):
         (gamma,) = inputs
@@ -282,11 +299,11 @@ class LevinsonRecursion(FusedOp):
         bars = [
             pt.zeros_like(out) if isinstance(c.type, DisconnectedType) else c for out, c in zip(outputs, cotangents)
         ]
-        return [apply_batched(LevinsonRecursionGrad(self.order), gamma, *bars)]
+        return [apply_batched(LevinsonRecursionGrad(self.order, self.v_form), gamma, *bars)]
 
 
 @entry_point
-def _vjp_entry(order: int, dtype: str):
+def _vjp_entry(order: int, v_form: int, dtype: str):
     work = np.dtype(dtype).type
 
     @numba.njit(error_model="numpy")
@@ -297,6 +314,7 @@ def _vjp_entry(order: int, dtype: str):
             np.ascontiguousarray(phi_bar).astype(work),
             work(v_bar.item()),
             np.ascontiguousarray(kappa_bar).astype(work),
+            v_form,
         )
 
     return run
@@ -309,11 +327,12 @@ class LevinsonRecursionGrad(FusedOp):
     The reverse pass of :class:`LevinsonRecursion` (module docstring).  Not differentiable itself.
     """
 
-    __props__ = ("order",)
+    __props__ = ("order", "v_form")
     gufunc_signature = "(n),(p),(),(p)->(n)"
 
-    def __init__(self, order: int):
+    def __init__(self, order: int, v_form: int = 0):
         self.order = int(order)
+        self.v_form = int(v_form)
 
     def make_node(self, gamma, phi_bar, sigma2_bar, kappa_bar):
         inputs = [pt.as_tensor_variable(x) for x in (gamma, phi_bar, sigma2_bar, kappa_bar)]
@@ -324,7 +343,7 @@ class LevinsonRecursionGrad(FusedOp):
         return [input_shapes[0]]
 
     def numba_fn(self, node):
-        return _vjp_entry(self.order, node.outputs[0].type.dtype)
+        return _vjp_entry(self.order, self.v_form, node.outputs[0].type.dtype)
 
     def pullback(self, inputs, outputs, cotangents):
         msg = "Second derivatives of iterops.ts.levinson_recursion are not implemented."
@@ -336,7 +355,7 @@ class LevinsonRecursionGrad(FusedOp):
 # ---------------------------------------------------------------------------
 
 
-def levinson_recursion(gamma, order: int) -> LevinsonRecursionResult:
+def levinson_recursion(gamma, order: int, *, v_update: str = "square") -> LevinsonRecursionResult:
     r"""Run the Levinson-Durbin loop (as written with ``pytensor.scan``) in one fused kernel.
 
     For ``k = 0..p-1``, starting from ``phi = 0`` (length ``p``) and ``v = gamma_0``:
@@ -354,6 +373,11 @@ def levinson_recursion(gamma, order: int) -> LevinsonRecursionResult:
     order : int
         Static number of steps ``p >= 1``; ``n >= p + 1`` is checked when ``n`` is known at graph
         build (``ValueError``).
+    v_update : {"square", "minus", "factored"}
+        How the loop spells the variance update: ``v * (1 - kappa**2)`` (default), ``v - kappa**2 * v``
+        or ``v * (1 - kappa) * (1 + kappa)``.  The same value in exact arithmetic; the kernel runs the
+        loop's spelling so that cancellation near ``|kappa| = 1``, the sign of a zero ``v`` (hence
+        the sign of the next ``kappa``'s infinity) and overflow are the loop's.
 
     Returns
     -------
@@ -410,6 +434,8 @@ def levinson_recursion(gamma, order: int) -> LevinsonRecursionResult:
             f"{func}: gamma needs at least order + 1 = {order + 1} entries in its last dimension, "
             f"got order={order} and gamma with shape {gamma.type.shape}"
         )
+    if v_update not in V_UPDATES:
+        raise ValueError(f"{func}: v_update must be one of {V_UPDATES}, got {v_update!r}")
     if kind in "biu":
         gamma = pt.cast(gamma, float_dtype(gamma))
-    return LevinsonRecursionResult(*apply_batched(LevinsonRecursion(order), gamma))
+    return LevinsonRecursionResult(*apply_batched(LevinsonRecursion(order, V_UPDATES.index(v_update)), gamma))

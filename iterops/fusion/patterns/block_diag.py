@@ -14,10 +14,24 @@ r"""Block-diagonal assembly loops -> :func:`iterops.block_diag`.
 ``set_subtensor``, ``i * n + n`` for ``(i + 1) * n``, block sizes written as
 constants equal to ``x``'s static shape.
 
+Accepted spellings:
+
+==============================  ==============================================================
+write                           ``set_subtensor`` or ``inc_subtensor`` (into zeros: the same)
+block bounds                    ``(i + 1) * n`` or ``i * n + n``; ``n``, ``m`` as ``x.shape[1:]``,
+                                ``x_i.shape`` or constants equal to the static shape
+blocks                          indexed ``x[i]`` (non-sequence) or a second sequence ``x_i``
+order                           forward, or ``go_backwards=True`` (the blocks written last to
+                                first: each block is written once at its own position, so the
+                                result is the same)
+==============================  ==============================================================
+
 Exact (a copy of each block): outputs are bit-identical.  Conditions checked on
 the outer graph (otherwise the Scan stays): the initial matrix is zero and
-provably of shape ``(k n, k m)``; the loop index is ``arange`` counting from 0;
-the loop runs provably ``k = x.shape[0]`` steps; only the final matrix is used.
+provably of shape ``(k n, k m)``; the loop index is ``arange`` counting from 0
+(or, with ``go_backwards``, counting down from ``k - 1`` over an ``arange`` of
+provably ``k`` entries, with the blocks sequence reversed alike); the loop runs
+provably ``k = x.shape[0]`` steps; only the final matrix is used.
 """
 
 from __future__ import annotations
@@ -25,7 +39,7 @@ from __future__ import annotations
 import pytensor.tensor as pt
 
 from iterops.fusion.matcher import constant_value
-from iterops.fusion.patterns._common import is_counter_sequence, provably_equal, starts_at_zero, strip_leading_slices
+from iterops.fusion.patterns._common import is_counter_sequence, provably_equal, sequence_order
 from iterops.fusion.registry import Pattern, Role, register_pattern
 from iterops.linalg.block_diag import block_diag
 
@@ -71,7 +85,8 @@ def _check_common(m, x):
         return "the zero matrix is not provably of shape (k*n, k*m) for the blocks x of shape (k, n, m)"
     if not provably_equal(m.n_steps, k):
         return "the loop does not provably run k = x.shape[0] steps (some blocks would stay zero)"
-    return is_counter_sequence(m.outer["i"])
+    # every block is written once, at its own position: any order of the steps gives the same matrix
+    return is_counter_sequence(m.outer["i"], n_steps=m.n_steps)
 
 
 def _check_indexed(m):
@@ -79,14 +94,18 @@ def _check_indexed(m):
 
 
 def _blocks_of_sequence(m):
-    base, slices = strip_leading_slices(m.outer["xi"])
-    return base if starts_at_zero(slices) and base.type.ndim == 3 else None
+    """The (k, n, m) blocks the ``xi`` sequence reads, in the direction the loop index counts, else None."""
+    base, order = sequence_order(m.outer["xi"])
+    if order is None or base.type.ndim != 3 or sequence_order(m.outer["i"])[1] != order:
+        return None
+    return base
 
 
 def _check_sequence(m):
     x = _blocks_of_sequence(m)
     if x is None:
-        return "the blocks sequence is not a (k, n, m) tensor iterated from its start"
+        return ("the blocks sequence is not a (k, n, m) tensor iterated from its start (or from its end, with "
+                "the loop index counting down alike)")
     return _check_common(m, x)
 
 

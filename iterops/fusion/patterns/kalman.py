@@ -26,7 +26,16 @@ with ``jitter`` (``cov_jitter``) and ``missing_fill_value`` any constants
 (jitter >= 0).  Replaced by ``kalman_filter(..., cov_jitter=jitter,
 missing_value=missing_fill_value)``, whose docstring states the
 correspondence of the outputs (``y_hat`` and ``F`` are rebuilt with the
-masking above).  Loops over time-varying matrices (sequences) stay Scans.
+masking above).  Time-varying system matrices (``time_varying_names``: the
+loop reads them as sequences, one matrix per step, e.g. a design matrix of
+exogenous regressors) are passed to the fused filter as ``time_varying`` (the
+rows the loop reads).
+
+pymc-extras' other filters stay Scans: ``SquareRootFilter`` propagates
+Cholesky factors (QR-based updates) and ``UnivariateFilter`` processes one
+observation at a time in a nested Scan; no fused Op runs their arithmetic, and
+``ConvergentFilter`` stops its Riccati recursion at a tolerance and continues
+with a fixed gain (a different computation from a full filter).
 
 ``kalman_textbook`` -- the covariance form from a textbook (Durbin & Koopman
 (2012) section 4.3), states ``(a, P)`` = the prediction of alpha_t, per-step
@@ -37,22 +46,50 @@ output the log-likelihood::
         F = Z @ P @ Z.T + H
         K = P @ Z.T @ pt.linalg.inv(F)        # or pt.linalg.solve(F, Z @ P).T
         a_f = a + K @ v
-        P_f = P - K @ Z @ P                   # or (pt.eye(m) - K @ Z) @ P
+        P_f = P - K @ Z @ P                   # or (pt.eye(m) - K @ Z) @ P, Joseph form, ...
         ll = -0.5 * (p * np.log(2 * np.pi) + pt.log(pt.linalg.det(F)) + v @ pt.linalg.inv(F) @ v)
-        #    the quadratic form may be v @ pt.linalg.solve(F, v)
         return T @ a_f, T @ P_f @ T.T + R @ Q @ R.T, ll    # T @ a_f + c with an intercept
 
-Recognized spellings: the gain with ``inv(F)`` (and then ``v @ inv(F) @ v``)
-or with ``solve(F, Z @ P).T`` (and then ``v @ solve(F, v)``), the update
-``P - K Z P`` or ``(I - K Z) P``, with or without the intercepts ``c``
-(state) and ``d`` (observation), the log-determinant as ``log(det(F))``; the
-constant ``p log(2 pi)`` written as a number (checked against ``y``'s static
-size).  The output order, argument order and names are free.  The fused filter
-computes the same update on one triangle and mirrors it (exactly symmetric),
-which is the same matrix in exact arithmetic: results agree to rounding for
-well-conditioned ``F``.  The textbook loop has no missing-data handling: NaN observations make
-its log-likelihood and states NaN from that step on, and so does the
-replacement; its covariances stay finite, and so do the replacement's.
+``kalman_textbook_filtered`` -- the same filter written predict-then-update:
+the states are the filtered moments ``(a_{t|t}, P_{t|t})`` (the loop starts
+from ``a_{0|0}, P_{0|0}``), the step predicts ``a = T a + c``, ``P = T P T^T +
+R Q R^T`` and then updates as above, returning ``(a_f, P_f, ll)``.  Replaced by
+the fused filter started from the prediction of the loop's initial values; its
+filtered moments are the loop's states.
+
+Accepted spellings of both (each part independently; reference_loops'
+``kalman_spelled_step`` writes them all):
+
+==================  =====================================================================
+innovation          ``y - Z a``, ``y - Z a - d`` (any order of the terms)
+gain ``K``          ``P Z^T inv(F)``; ``solve(F, Z P).T``, ``solve(F, (P Z^T).T).T`` with
+                    ``assume_a`` ``"gen"``, ``"sym"`` or ``"pos"``
+identity            ``pt.eye(m)`` with ``m`` from ``a`` or ``P``, a constant ``eye``,
+                    ``pt.identity_like(P)``
+update ``P_f``      ``P - K Z P``; ``(I - K Z) P``; ``P - K F K^T``; Joseph form
+                    ``(I - K Z) P (I - K Z)^T + K H K^T``
+quadratic form      ``v @ inv(F) @ v``, ``v @ solve(F, v)`` (any ``assume_a``), ``pt.dot``
+log-likelihood      ``-0.5 (p log 2pi + log det F + q)`` (terms in any order);
+                    ``-0.5 (log det(2 pi F) + q)``; ``slogdet(F)[1]`` for ``log det F``;
+                    the ``-0.5`` distributed: ``-0.5 p log 2pi - 0.5 log det F - 0.5 q``;
+                    ``pm.logp(pm.MvNormal.dist(mu=0, cov=F), v)`` or
+                    ``pm.logp(pm.MvNormal.dist(mu=Z a (+ d), cov=F), y)``
+prediction          ``T a_f`` or ``T a_f + c``; ``T P_f T^T + R Q R^T``
+==================  =====================================================================
+
+``p log(2 pi)`` (or ``-p log(2 pi) / 2`` distributed) may be written as a
+number: it is checked against ``y``'s static size.  The output order, argument
+order and names are free.  Every spelling is the same filter in exact
+arithmetic when ``K`` is the exact gain (the Joseph form and ``P - K F K^T``
+equal ``P - K Z P`` then); the fused filter computes ``P - K Z P`` on one
+triangle and mirrors it (exactly symmetric), so results agree to rounding for
+well-conditioned ``F``.  The textbook loop has no missing-data handling: NaN
+observations make its log-likelihood and states NaN from that step on, and so
+does the replacement; its covariances stay finite, and so do the replacement's.
+``pm.logp(pm.MvNormal.dist(...))`` raises where ``F`` is not positive definite;
+the replacement raises too (``ParameterValueError``) where the fused filter's
+Cholesky factor fails.  Spellings matched only when PyMC is already imported
+(matching never imports it).
 
 Both: the loop runs over the rows of ``y`` (``y[:n_steps]``), and only
 ``pytensor.scan``'s usual views of each output are used (the whole trace, its
@@ -69,12 +106,16 @@ direction and with respect to any parameters the matrices are built from
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytensor.tensor as pt
+from pytensor.raise_op import CheckAndRaise
 
-from iterops.fusion.matcher import constant_value
+from iterops.fusion.matcher import Reject, constant_value
+from iterops.fusion.patterns._common import strip_leading_slices
 from iterops.fusion.proofs import is_psd, is_symmetric
-from iterops.fusion.registry import Pattern, Role, register_pattern
+from iterops.fusion.registry import OneOf, Pattern, Role, one_of, register_pattern
 from iterops.ts.kalman import kalman_filter
 
 __all__: list[str] = []
@@ -97,7 +138,8 @@ def _quad_sym(A, B):
 
 
 def _pymc_extras_step(y, a, P, c, d, T, Z, R, H, Q, jitter, fill):
-    """pymc-extras' ``BaseFilter.kalman_step`` + ``StandardFilter.update`` (static matrices)."""
+    """pymc-extras' ``BaseFilter.kalman_step`` + ``StandardFilter.update`` (system matrices static or, as
+    sequences, time-varying: the step reads one matrix either way)."""
     nan_mask = pt.or_(pt.isnan(y), pt.eq(y, fill))
     W = pt.diag(pt.bitwise_not(nan_mask).astype(y.dtype))
     y_m = pt.set_subtensor(y[nan_mask], 0.0)
@@ -136,14 +178,32 @@ def _n_steps_rows(m, y):
     return y[: m.n_steps]
 
 
+def _batch_source(v):
+    """The batch of matrices a time-varying sequence reads: ``v`` without the row slices Scan adds and the
+    shape assertions pymc-extras adds (each row of a batch of symmetric matrices is symmetric)."""
+    while v.owner is not None:
+        op = v.owner.op
+        if isinstance(op, CheckAndRaise):
+            v = v.owner.inputs[0]
+            continue
+        base, slices = strip_leading_slices(v)
+        if base is v:
+            break
+        v = base
+    return v
+
+
 def _unproven(m, names, proof, what):
     """A reason naming the first covariance input of ``names`` that ``proof`` cannot show to be ``what``."""
     for name in names:
-        if not proof(m.outer[name]):
+        x = _batch_source(m.outer[name]) if name in m.time_varying else m.outer[name]
+        if not proof(x):
             return (f"{_COV_NAMES[name]} is not provably {what} from how it is built (the fused filter reads "
                     f"its symmetric part and needs {what} inputs to compute what the loop computes)")
     return None
 
+
+_SYSTEM_NDIMS = (("c", 1), ("d", 1), ("T", 2), ("Z", 2), ("R", 2), ("H", 2), ("Q", 2))
 
 _COV_NAMES = {"P": "the initial covariance P0", "H": "the observation covariance H", "Q": "the state covariance Q"}
 
@@ -162,11 +222,24 @@ def _missing(y, fill):
     return pt.or_(pt.isnan(y), pt.eq(y, fill))
 
 
+def _system_inputs(m):
+    """``(c, d, T, Z, R, H, Q)`` as the fused filter takes them, and its ``time_varying`` names.
+
+    A matrix the loop reads as a sequence (pymc-extras' ``time_varying_names``) is passed with its
+    rows ``[:n_steps]``, those the loop reads.
+    """
+    o = m.outer
+    names = ("c", "d", "T", "Z", "R", "H", "Q")
+    tv = tuple(n for n in names if n in m.time_varying)
+    return [o[n][: m.n_steps] if n in m.time_varying else o[n] for n in names], tv
+
+
 def _build_pymc_extras(m):
     o = m.outer
     jitter, fill = _static_float(m, "jitter"), _static_float(m, "fill")
     y = _n_steps_rows(m, o["y"])
-    res = kalman_filter(y, o["a"], o["P"], o["c"], o["d"], o["T"], o["Z"], o["R"], o["H"], o["Q"],
+    (c, d, T, Z, R, H, Q), tv = _system_inputs(m)
+    res = kalman_filter(y, o["a"], o["P"], c=c, d=d, T=T, Z=Z, R=R, H=H, Q=Q, time_varying=tv,
                         cov_jitter=jitter, missing_value=fill)
     out = {
         "a": res.predicted_state[1:],
@@ -181,7 +254,10 @@ def _build_pymc_extras(m):
         miss = _missing(y, fill)
         obs = pt.cast(~miss, res.forecast_error_cov.dtype)
         if uses.get("y_hat"):
-            y_hat = o["d"] + pt.tensordot(res.predicted_state[:-1], o["Z"], axes=[[1], [1]])
+            if "Z" in m.time_varying:
+                y_hat = d + (Z @ res.predicted_state[:-1, :, None])[:, :, 0]
+            else:
+                y_hat = d + pt.tensordot(res.predicted_state[:-1], Z, axes=[[1], [1]])
             out["y_hat"] = pt.switch(miss, 0.0, y_hat)
         if uses.get("F"):
             p = res.forecast_error_cov.shape[-1]
@@ -196,8 +272,8 @@ register_pattern(Pattern(
     step=(_pymc_extras_step,),
     sequences=(Role("y", 1),),
     states=(Role("a", 1), Role("P", 2)),
-    non_sequences=(Role("c", 1), Role("d", 1), Role("T", 2), Role("Z", 2), Role("R", 2), Role("H", 2),
-                   Role("Q", 2), Role("jitter", 0, constant_ok=True), Role("fill", 0, constant_ok=True)),
+    non_sequences=(*(Role(n, k, time_varying_ok=True) for n, k in _SYSTEM_NDIMS),
+                   Role("jitter", 0, constant_ok=True), Role("fill", 0, constant_ok=True)),
     outputs=(Role("a_filtered", 1), Role("y_hat", 1), Role("P_filtered", 2), Role("F", 2), Role("ll", 0)),
     provides={"a": "trace", "P": "trace"},
     check=_check_pymc_extras,
@@ -211,22 +287,97 @@ register_pattern(Pattern(
 # ---------------------------------------------------------------------------
 
 
-def _textbook_step(gain, update, intercepts):
-    def step(y, a, P, c, d, T, Z, R, H, Q, log2pi_p):
-        v = y - Z @ a - d if intercepts else y - Z @ a
-        F = Z @ P @ Z.T + H
-        if gain == "inv":
-            F_inv = pt.linalg.inv(F)
-            K = P @ Z.T @ F_inv
-            quad = v @ F_inv @ v
-        else:
-            K = pt.linalg.solve(F, Z @ P).T
-            quad = v @ pt.linalg.solve(F, v)
-        a_f = a + K @ v
-        P_f = P - K @ Z @ P if update == "minus" else (pt.eye(a.shape[0]) - K @ Z) @ P
-        ll = -0.5 * (log2pi_p + pt.log(pt.linalg.det(F)) + quad)
-        a_next = T @ a_f + c if intercepts else T @ a_f
-        return a_next, T @ P_f @ T.T + R @ Q @ R.T, ll
+_SOLVERS = ("gen", "sym", "pos")
+
+#: The step variants of both textbook patterns: ``(assume_a of the solves, intercepts c and d, loglik by
+#: pm.logp)``.  The solves of one variant share ``assume_a``: PyTensor's canonicalization upgrades every
+#: solve with ``F`` once one solve promises more about ``F`` (``"pos"``), in the user's graph and the
+#: reference alike, so spellings of different ``assume_a`` cannot be alternatives of one reference.
+#: Intercepts are variants, not alternatives, for a similar reason: rewrites lift ``expand_dims`` through
+#: the innovation's subtraction, which an alternative would hide.
+_TEXTBOOK_VARIANTS = tuple((s, i, mvn) for mvn in (False, True) for i in (False, True) for s in _SOLVERS)
+
+
+def _gain(P, Z, F, solver):
+    """The Kalman gain ``P Z^T F^{-1}`` as users write it: ``P Z^T inv(F)``, ``solve(F, Z P).T``, ..."""
+    return one_of(P @ Z.T @ pt.linalg.inv(F),
+                  pt.linalg.solve(F, Z @ P, assume_a=solver).T,
+                  pt.linalg.solve(F, (P @ Z.T).T, assume_a=solver).T)
+
+
+def _textbook_update(y, a, P, d, Z, H, log2pi_p, half_log2pi_p, variant):
+    """The measurement update ``(a_f, P_f, ll)`` of the textbook filter, every accepted spelling a ``one_of``."""
+    solver, intercepts, mvn = variant
+    y_hat = Z @ a + d if intercepts else Z @ a
+    v = y - Z @ a - d if intercepts else y - Z @ a
+    F = Z @ P @ Z.T + H
+    K = _gain(P, Z, F, solver)
+    KT = one_of(*(k.T for k in K.owner.inputs))  # transposed alternatives canonicalize as the user's K.T
+    # one alternative per gain for the mean (not a + one_of(...) @ v): canonicalization lifts the
+    # expand_dims of a matrix-vector product through sums around it, which an opaque one_of would block
+    a_f = one_of(*(a + k @ v for k in K.owner.inputs))
+    eye = one_of(pt.eye(a.shape[0]), pt.eye(P.shape[0]), pt.eye(P.shape[1]), pt.identity_like(P))
+    I_KZ = eye - K @ Z
+    P_f = one_of(
+        P - K @ Z @ P,                       # covariance form
+        I_KZ @ P,                            # (I - K Z) P
+        P - K @ F @ KT,                      # P - K F K^T
+        I_KZ @ P @ I_KZ.T + K @ H @ KT,      # Joseph form
+    )
+    if mvn:
+        return a_f, P_f, _mvn_loglik(v, y, y_hat, F)
+    F_inv = pt.linalg.inv(F)
+    quad = one_of(v @ F_inv @ v, v @ (F_inv @ v), v @ pt.linalg.solve(F, v, assume_a=solver))
+    logdet = one_of(pt.log(pt.linalg.det(F)), pt.linalg.slogdet(F)[1])
+    ll = one_of(
+        -0.5 * (log2pi_p + logdet + quad),
+        -0.5 * (pt.log(pt.linalg.det(2 * np.pi * F)) + quad),
+        half_log2pi_p - 0.5 * logdet - 0.5 * quad,   # the -0.5 distributed
+    )
+    return a_f, P_f, ll
+
+
+def _mvn_loglik(v, y, y_hat, F):
+    """``pm.logp(pm.MvNormal.dist(...), ...)`` of the innovation (mean 0) or of ``y`` (mean ``Z a (+ d)``).
+
+    Only when PyMC is already imported (a user graph calling ``pm.logp`` imported it): matching never
+    imports PyMC.
+    """
+    pm = sys.modules.get("pymc")
+    if pm is None:
+        raise Reject("PyMC is not imported (no pm.logp in the loop)")
+    mvn = pm.MvNormal.dist
+    return one_of(
+        pm.logp(mvn(mu=pt.zeros_like(v), cov=F), v),
+        pm.logp(mvn(mu=0.0, cov=F), v),
+        pm.logp(mvn(mu=y_hat, cov=F), y),
+    )
+
+
+def _textbook_predict(a_f, P_f, c, T, R, Q, intercepts):
+    """``(T a_f (+ c), T P_f T^T + R Q R^T)``; with ``a_f`` a ``one_of``, one alternative per spelling of it."""
+    alts = a_f.owner.inputs if a_f.owner is not None and isinstance(a_f.owner.op, OneOf) else [a_f]
+    a_next = one_of(*(T @ x + c if intercepts else T @ x for x in alts))
+    return a_next, T @ P_f @ T.T + R @ Q @ R.T
+
+
+def _textbook_step(variant):
+    """Update, then predict: the states are the predictions ``(a_t, P_t)``."""
+
+    def step(y, a, P, c, d, T, Z, R, H, Q, log2pi_p, half_log2pi_p):
+        a_f, P_f, ll = _textbook_update(y, a, P, d, Z, H, log2pi_p, half_log2pi_p, variant)
+        a_next, P_next = _textbook_predict(a_f, P_f, c, T, R, Q, variant[1])
+        return a_next, P_next, ll
+
+    return step
+
+
+def _filtered_step(variant):
+    """Predict, then update: the states are the filtered ``(a_{t|t}, P_{t|t})``."""
+
+    def step(y, a, P, c, d, T, Z, R, H, Q, log2pi_p, half_log2pi_p):
+        a_p, P_p = _textbook_predict(a, P, c, T, R, Q, variant[1])
+        return _textbook_update(y, a_p, P_p, d, Z, H, log2pi_p, half_log2pi_p, variant)
 
     return step
 
@@ -236,16 +387,21 @@ def _check_textbook(m):
     reason = _unproven(m, ("P", "H", "Q"), is_psd, "symmetric positive semi-definite")
     if reason or not m.uses.get("ll"):
         return reason
-    c = _static_float(m, "log2pi_p")
     p = m.outer["y"].type.shape[-1]
-    if p is None:
-        return "the observation dimension p (y's last axis) is not static, so p log(2 pi) cannot be checked"
-    if c is None or not np.isclose(c, p * _LOG_2PI, rtol=1e-6 if m.dtype == "float32" else 1e-12, atol=0):
-        return f"the log-likelihood constant {c} is not p log(2 pi) = {p * _LOG_2PI} for p = {p}"
+    for name, factor in (("log2pi_p", 1.0), ("half_log2pi_p", -0.5)):
+        if name not in m.outer:
+            continue  # a spelling without this constant (log det(2 pi F), pm.logp)
+        if p is None:
+            return "the observation dimension p (y's last axis) is not static, so p log(2 pi) cannot be checked"
+        c, want = _static_float(m, name), factor * p * _LOG_2PI
+        if c is None or not np.isclose(c, want, rtol=1e-6 if m.dtype == "float32" else 1e-12, atol=0):
+            what = "p log(2 pi)" if factor == 1.0 else "-p log(2 pi) / 2"
+            return f"the log-likelihood constant {c} is not {what} = {want} for p = {p}"
     return None
 
 
-def _build_textbook(m):
+def _textbook_filter(m, a0, P0):
+    """The fused filter on the loop's rows of ``y``; returns (result, rows poisoned by a NaN observation)."""
     o = m.outer
     y = _n_steps_rows(m, o["y"])
     m_dim, p_dim = o["a"].shape[-1], y.shape[-1]
@@ -257,26 +413,77 @@ def _build_textbook(m):
     # entries are set to NaN afterwards.
     missing = pt.isnan(y)
     bad = pt.gt(pt.cumsum(pt.cast(pt.any(missing, axis=-1), "int64")), 0)
-    res = kalman_filter(pt.switch(missing, 0.0, y), o["a"], o["P"], c, d, o["T"], o["Z"], o["R"], o["H"], o["Q"])
-    nan = np.array(np.nan, dtype=res.loglik_obs.dtype)
-    return {
-        "a": pt.switch(bad[:, None], nan, res.predicted_state[1:]),
-        "P": res.predicted_cov[1:],
-        "ll": pt.switch(bad, nan, res.loglik_obs),
-    }
+    res = kalman_filter(pt.switch(missing, 0.0, y), a0, P0, c=c, d=d, T=o["T"], Z=o["Z"], R=o["R"], H=o["H"],
+                        Q=o["Q"])
+    return res, bad, c
 
+
+def _loglik(m, res, bad):
+    nan = np.array(np.nan, dtype=res.loglik_obs.dtype)
+    ll = pt.switch(bad, nan, res.loglik_obs)
+    if _TEXTBOOK_VARIANTS[m.variant][2]:
+        # pm.logp(pm.MvNormal.dist(...)) raises (ParameterValueError) where F's Cholesky factor fails,
+        # the fused filter returns -inf there
+        from pymc.logprob.utils import CheckParameterValue  # noqa: PLC0415  (PyMC is imported: the loop uses it)
+
+        ll = CheckParameterValue("posdef covariance")(ll, pt.all(pt.neq(res.loglik_obs, -np.inf)))
+    return ll
+
+
+def _build_textbook(m):
+    o = m.outer
+    res, bad, _ = _textbook_filter(m, o["a"], o["P"])
+    nan = np.array(np.nan, dtype=res.loglik_obs.dtype)
+    out = {"a": pt.switch(bad[:, None], nan, res.predicted_state[1:]), "P": res.predicted_cov[1:]}
+    if m.uses.get("ll"):
+        out["ll"] = _loglik(m, res, bad)
+    return out
+
+
+def _build_filtered(m):
+    o = m.outer
+    # the loop predicts first: the fused filter starts from the prediction of its initial (filtered) state
+    c = o.get("c")
+    a0 = o["T"] @ o["a"] + c if c is not None else o["T"] @ o["a"]
+    P0 = o["T"] @ o["P"] @ o["T"].T + o["R"] @ o["Q"] @ o["R"].T
+    res, bad, _ = _textbook_filter(m, a0, P0)
+    nan = np.array(np.nan, dtype=res.loglik_obs.dtype)
+    out = {"a": pt.switch(bad[:, None], nan, res.filtered_state), "P": res.filtered_cov}
+    if m.uses.get("ll"):
+        out["ll"] = _loglik(m, res, bad)
+    return out
+
+
+#: every textbook step computes its gain with one of these (canonicalization may turn a solve into a
+#: factorization and triangular solves)
+_GAIN_OPS = ("MatrixInverse", "Solve", "SolveTriangular", "Cholesky", "CholeskySolve", "LUFactor", "LUSolve",
+             "LUFactorTridiagonal", "SolveLUFactorTridiagonal")
+
+_TEXTBOOK_ROLES = dict(
+    needs_ops=_GAIN_OPS,
+    sequences=(Role("y", 1),),
+    states=(Role("a", 1), Role("P", 2)),
+    non_sequences=(Role("c", 1), Role("d", 1), Role("T", 2), Role("Z", 2), Role("R", 2), Role("H", 2),
+                   Role("Q", 2), Role("log2pi_p", 0, constant_ok=True), Role("half_log2pi_p", 0, constant_ok=True)),
+    outputs=(Role("ll", 0),),
+    provides={"a": "trace", "P": "trace"},
+    check=_check_textbook,
+)
 
 register_pattern(Pattern(
     name="kalman_textbook",
     replaces_with="iterops.ts.kalman_filter",
-    step=tuple(_textbook_step(g, u, i) for i in (False, True) for g in ("inv", "solve") for u in ("minus", "factor")),
-    sequences=(Role("y", 1),),
-    states=(Role("a", 1), Role("P", 2)),
-    non_sequences=(Role("c", 1), Role("d", 1), Role("T", 2), Role("Z", 2), Role("R", 2), Role("H", 2),
-                   Role("Q", 2), Role("log2pi_p", 0, constant_ok=True)),
-    outputs=(Role("ll", 0),),
-    provides={"a": "trace", "P": "trace"},
-    check=_check_textbook,
+    step=tuple(_textbook_step(v) for v in _TEXTBOOK_VARIANTS),
     build=_build_textbook,
-    doc="textbook covariance-form Kalman filter (predict/update with inv or solve, loglik via det)",
+    doc="textbook covariance-form Kalman filter, update then predict (states: the predictions)",
+    **_TEXTBOOK_ROLES,
+))
+
+register_pattern(Pattern(
+    name="kalman_textbook_filtered",
+    replaces_with="iterops.ts.kalman_filter",
+    step=tuple(_filtered_step(v) for v in _TEXTBOOK_VARIANTS),
+    build=_build_filtered,
+    doc="textbook covariance-form Kalman filter, predict then update (states: the filtered moments)",
+    **_TEXTBOOK_ROLES,
 ))

@@ -14,10 +14,18 @@ carried in a zero-padded vector of length ``p``)::
                                        non_sequences=[gamma])
     phi, sigma2, pacf = phis[-1], vs[-1], kappas
 
-Recognized spellings: the inner product as ``pt.sum(phi[:k] * g)`` or
-``phi[:k] @ g`` (``.dot``), with ``g = gamma[1:k + 1][::-1]`` or
-``gamma[k:0:-1]``; ``v * (1 - kappa**2)`` or ``v - kappa**2 * v`` (whatever
-canonicalization makes equal); the per-step ``kappa`` output is optional.
+Accepted spellings (each part independently):
+
+===================  ================================================================
+inner product        ``pt.sum(phi[:k] * g)`` or ``phi[:k] @ g`` (``.dot``)
+lagged ``gamma``     ``g = gamma[1:k + 1][::-1]`` or ``gamma[k:0:-1]``
+variance update      ``v * (1 - kappa**2)``, ``v - kappa**2 * v`` or
+                     ``v * (1 - kappa) * (1 + kappa)`` (the fused recursion runs the
+                     spelling the loop uses: ``v_update=``, so that cancellation near
+                     ``|kappa| = 1``, signed zeros and overflow are the loop's)
+``kappa`` output     optional
+===================  ================================================================
+
 Argument order, names, output order: free.
 
 Replacement: :func:`iterops.ts.levinson_recursion.levinson_recursion`, the
@@ -43,20 +51,26 @@ from pytensor.tensor.subtensor import Subtensor, indices_from_subtensor
 
 from iterops.fusion.matcher import constant_value
 from iterops.fusion.patterns._common import is_counter_sequence
-from iterops.fusion.registry import Pattern, Role, register_pattern
+from iterops.fusion.registry import Pattern, Role, one_of, register_pattern
 from iterops.ts.levinson_recursion import levinson_recursion
 
 __all__: list[str] = []
 
 
-def _step(inner, lags):
+#: The variance updates, in the order of the pattern's variants (``levinson_recursion(v_update=...)``).
+V_UPDATES = ("square", "minus", "factored")
+
+
+def _step(v_update):
     def step(k, phi, v, gamma):
-        g = gamma[1:k + 1][::-1] if lags == "reverse" else gamma[k:0:-1]
-        acc = pt.sum(phi[:k] * g) if inner == "sum" else phi[:k] @ g
+        g = one_of(gamma[1:k + 1][::-1], gamma[k:0:-1])
+        acc = one_of(pt.sum(phi[:k] * g), phi[:k] @ g)
         kappa = (gamma[k + 1] - acc) / v
         new_phi = pt.set_subtensor(phi[:k], phi[:k] - kappa * phi[:k][::-1])
         new_phi = pt.set_subtensor(new_phi[k], kappa)
-        return new_phi, v * (1 - kappa**2), kappa
+        new_v = {"square": lambda: v * (1 - kappa**2), "minus": lambda: v - kappa**2 * v,
+                 "factored": lambda: v * (1 - kappa) * (1 + kappa)}[v_update]()
+        return new_phi, new_v, kappa
 
     return step
 
@@ -103,14 +117,14 @@ _TOO_SHORT = CheckAndRaise(IndexError, "the loop reads gamma[order], past the en
 def _build(m):
     p, gamma = _order(m), m.outer["gamma"]
     gamma = _TOO_SHORT(gamma, pt.ge(gamma.shape[0], p + 1))
-    res = levinson_recursion(gamma, p)
+    res = levinson_recursion(gamma, p, v_update=V_UPDATES[m.variant])
     return {"phi": res.phi, "v": res.sigma2, "kappa": res.kappa}
 
 
 register_pattern(Pattern(
     name="levinson_durbin",
     replaces_with="iterops.ts.levinson_recursion",
-    step=tuple(_step(i, g) for i in ("sum", "dot") for g in ("reverse", "slice")),
+    step=tuple(_step(u) for u in V_UPDATES),
     sequences=(Role("k", 0, dtype="int64"),),
     states=(Role("phi", 1), Role("v", 0)),
     non_sequences=(Role("gamma", 1),),

@@ -36,6 +36,12 @@ guard, ``n_steps`` of 0 (an untraced ``alpha`` keeps its start value; reading
 (products are associated as written in the reference), which can move a stop
 decision taken exactly at the tolerance by one step.
 
+Not matched: the damped fixed point ``X <- (1 - w) X + w (A X A^T + Q)``.  It
+has the same limit but other iterates, another stop step and another
+gradient, so neither Op above may replace it, and no replica of it exists yet
+(it would need a damping factor in ``lyapunov_fixed_point_loop``'s kernel and
+adjoint, including the gradient with respect to ``w``): the Scan stays.
+
 Conditions (otherwise the Scan stays): only the final ``gamma`` / ``alpha``
 (``X``) are used, never intermediate iterates; ``A`` and ``Q`` are not
 statically non-square; the general matcher's conditions (no truncated

@@ -1,0 +1,355 @@
+"""The loop spellings users write (issue 15 item 3): each is fused and equals the unrewritten loop.
+
+Every spelling is a reference loop of :mod:`iterops.reference_loops`; the oracle is that loop compiled
+with ``mode.excluding("iterops")`` (values, and gradients by autodiff of the Scan).  Near misses of the
+new spellings stay Scans.
+"""
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from pytensor.compile.mode import get_mode
+from pytensor.scan.op import Scan
+
+import iterops
+from iterops import reference_loops as ref
+from iterops.linalg.block_diag import BlockDiag
+from iterops.ts.kalman import KalmanFilter
+from iterops.ts.levinson_recursion import LevinsonRecursion
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning")
+
+_SCAN_MODE = get_mode("FAST_COMPILE").excluding("iterops")
+N, M, P, R_ = 20, 3, 2, 2
+
+
+def _core_ops(f):
+    return [getattr(n.op, "core_op", n.op) for n in f.maker.fgraph.apply_nodes]
+
+
+def _has(f, op_type):
+    return any(isinstance(op, op_type) for op in _core_ops(f))
+
+
+def _compare(ins, outs, wrt, vals, op_type, rtol=1e-7, atol=1e-9):
+    """Fused (``fuse_loops`` then ``pytensor.grad``, default mode) vs the Scan: values and gradients."""
+    cost = sum((o * pt.cos(0.7 * pt.arange(o.size) + k).reshape(o.shape)).sum() for k, o in enumerate(outs))
+    fused = iterops.fuse_loops([*outs, cost])
+    f = pytensor.function(ins, [*fused[:-1], *pytensor.grad(fused[-1], wrt)])
+    g = pytensor.function(ins, [*outs, *pytensor.grad(cost, wrt)], mode=_SCAN_MODE)
+    assert _has(f, op_type) and not _has(f, Scan), str(iterops.explain(outs))
+    assert _has(g, Scan)
+    got, want = f(*vals), g(*vals)
+    for j, (a, b) in enumerate(zip(got, want)):
+        scale = max(1.0, float(np.abs(b).max(initial=0.0)))
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol * scale, err_msg=f"output/gradient {j}")
+    return f
+
+
+# ---------------------------------------------------------------------------
+# Kalman filter
+# ---------------------------------------------------------------------------
+
+def _system(rng, kind="stable"):
+    T = 0.6 * np.eye(M) + 0.15 * rng.normal(size=(M, M))
+    Z = rng.normal(size=(P, M))
+    LH = np.tril(0.3 * rng.normal(size=(P, P))) + np.eye(P)
+    L0 = np.tril(rng.normal(size=(M, M))) + 2 * np.eye(M)
+    if kind == "unit_root":  # a local linear trend (two unit roots) and a large initial covariance
+        T = np.array([[1.0, 1.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.5]])
+        L0 = 1e3 * np.eye(M)
+    elif kind == "multiscale":  # observations and states on very different scales
+        Z = Z * np.array([1e3, 1.0, 1e-3])
+        LH = LH * 1e-2
+    return dict(y=rng.normal(size=(N, P)), a0=rng.normal(size=M), L0=L0, c=0.1 * rng.normal(size=M),
+                d=0.1 * rng.normal(size=P), T=T, Z=Z, R=rng.normal(size=(M, R_)), LH=LH,
+                LQ=np.tril(0.3 * rng.normal(size=(R_, R_))) + np.eye(R_))
+
+
+def _symbols():
+    return dict(y=pt.tensor("y", shape=(N, P)), a0=pt.tensor("a0", shape=(M,)), L0=pt.tensor("L0", shape=(M, M)),
+                c=pt.tensor("c", shape=(M,)), d=pt.tensor("d", shape=(P,)), T=pt.tensor("T", shape=(M, M)),
+                Z=pt.tensor("Z", shape=(P, M)), R=pt.tensor("R", shape=(M, R_)),
+                LH=pt.tensor("LH", shape=(P, P)), LQ=pt.tensor("LQ", shape=(R_, R_)))
+
+
+def _kalman(s, spelling, intercepts, predict_first):
+    loop = ref.kalman_filtered_loop if predict_first else ref.kalman_textbook_loop
+    step = ref.kalman_spelled_step(*spelling, intercepts=intercepts, predict_first=predict_first)
+    cd = dict(c=s["c"], d=s["d"]) if intercepts else {}
+    return list(loop(s["y"], s["a0"], s["L0"] @ s["L0"].T, s["T"], s["Z"], s["R"], s["LH"] @ s["LH"].T,
+                     s["LQ"] @ s["LQ"].T, step=step, **cd))
+
+
+#: (gain, update, loglik), intercepts, predict_first: every spelling of each part at least once, in both
+#: orders and with and without intercepts
+KALMAN_SPELLINGS = [
+    (("inv", "minus", "det"), False, False),
+    (("solve", "factor", "logdet_first"), True, False),
+    (("solve_pos", "kfk", "det2pi"), False, False),
+    (("inv", "joseph", "slogdet"), True, False),
+    (("solve", "joseph", "distributed"), False, False),
+    (("inv", "kfk", "dot"), False, False),
+    (("solve", "minus", "dot"), True, False),
+    (("inv", "minus", "mvn_v"), False, False),
+    (("solve", "factor", "mvn_y"), True, False),
+    (("inv", "minus", "det"), False, True),
+    (("solve_pos", "joseph", "slogdet"), True, True),
+    (("inv", "factor", "mvn_y"), True, True),
+    (("solve", "kfk", "distributed"), False, True),
+]
+
+
+def _kalman_case(spelling, intercepts, predict_first, kind="stable", seed=5, s=None):
+    s = _symbols() if s is None else s
+    outs = _kalman(s, spelling, intercepts, predict_first)
+    names = [k for k in s if intercepts or k not in ("c", "d")]
+    vals = _system(np.random.default_rng(seed), kind)
+    return [s[k] for k in names], outs, [s[k] for k in names if k != "y"], [vals[k] for k in names]
+
+
+@pytest.mark.parametrize("spelling,intercepts,predict_first", KALMAN_SPELLINGS,
+                         ids=lambda x: "-".join(x) if isinstance(x, tuple) else str(x))
+def test_kalman_spellings_fused_and_equal(spelling, intercepts, predict_first):
+    if spelling[2].startswith("mvn"):
+        pytest.importorskip("pymc")  # a dev dependency: always present in the test environment
+    ins, outs, wrt, vals = _kalman_case(spelling, intercepts, predict_first)
+    pattern = "kalman_textbook_filtered" if predict_first else "kalman_textbook"
+    assert [r.pattern for r in iterops.explain(outs).replaced] == [pattern]
+    _compare(ins, outs, wrt, vals, KalmanFilter)
+
+
+def _values_and_grads(ins, outs, wrt, vals, fused):
+    cost = sum((o * pt.cos(0.7 * pt.arange(o.size) + k).reshape(o.shape)).sum() for k, o in enumerate(outs))
+    if fused:
+        *outs, cost = iterops.fuse_loops([*outs, cost])
+        f = pytensor.function(ins, [*outs, *pytensor.grad(cost, wrt)])
+        assert _has(f, KalmanFilter) and not _has(f, Scan)
+    else:
+        f = pytensor.function(ins, [*outs, *pytensor.grad(cost, wrt)], mode=_SCAN_MODE)
+    return f(*vals)
+
+
+@pytest.mark.parametrize("kind", ["unit_root", "multiscale"])
+@pytest.mark.parametrize("update", ["minus", "joseph"])
+def test_kalman_update_spellings_on_hard_inputs(kind, update):
+    """The Joseph form and P - K Z P on a unit-root system with a diffuse-like start (P0 = 1e6 I) and on a
+    multi-scale one: the replacement equals the loop to rounding.
+
+    "Rounding" is measured on the problem: the loop's two spellings (the same filter in exact arithmetic)
+    differ by the problem's own rounding noise (1e-7 relative on the unit-root system); the replacement
+    must be as close to the loop as that, for every value and gradient.
+    """
+    other = "joseph" if update == "minus" else "minus"
+    syms = _symbols()
+    ins, outs, wrt, vals = _kalman_case(("inv", update, "det"), True, False, kind, s=syms)
+    got = _values_and_grads(ins, outs, wrt, vals, fused=True)
+    want = _values_and_grads(ins, outs, wrt, vals, fused=False)
+    _, outs2, _, _ = _kalman_case(("inv", other, "det"), True, False, kind, s=syms)
+    twin = _values_and_grads(ins, outs2, wrt, vals, fused=False)
+    for j, (a, b, c) in enumerate(zip(got, want, twin)):
+        scale = max(1.0, float(np.abs(b).max(initial=0.0)))
+        noise = float(np.abs(b - c).max(initial=0.0))
+        assert np.all(np.isfinite(a)) and np.all(np.isfinite(b))
+        assert float(np.abs(a - b).max(initial=0.0)) <= 10 * noise + 1e-10 * scale, f"output/gradient {j}"
+
+
+def test_kalman_spelling_default_mode_forward():
+    """No fuse_loops: the default-mode compile of a new spelling replaces the Scan."""
+    ins, outs, _, vals = _kalman_case(("solve", "joseph", "slogdet"), True, True)
+    f = pytensor.function(ins, outs)
+    assert _has(f, KalmanFilter) and not _has(f, Scan)
+    g = pytensor.function(ins, outs, mode=_SCAN_MODE)
+    for a, b in zip(f(*vals), g(*vals)):
+        np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-9)
+
+
+def _near(change):
+    """A textbook loop in a new spelling with one change that makes it a different computation."""
+
+    def step(y, a, P, T, Z, R, H, Q, log2pi_p):
+        v = y - Z @ a
+        F = Z @ P @ Z.T + H
+        K = pt.linalg.solve(F, Z @ P).T
+        I_KZ = pt.eye(a.shape[0]) - K @ Z
+        if change == "joseph without K H K^T":
+            P_f = I_KZ @ P @ I_KZ.T
+        elif change == "joseph with K K^T":
+            P_f = I_KZ @ P @ I_KZ.T + K @ K.T
+        elif change == "K H K^T for K F K^T":
+            P_f = P - K @ H @ K.T
+        else:
+            P_f = I_KZ @ P @ I_KZ.T + K @ H @ K.T
+        if change == "log det(pi F)":
+            ll = -0.5 * (pt.log(pt.linalg.det(np.pi * F)) + v @ pt.linalg.solve(F, v))
+        elif change == "distributed with +0.5":
+            ll = -0.5 * log2pi_p - 0.5 * pt.log(pt.linalg.det(F)) + 0.5 * v @ pt.linalg.solve(F, v)
+        elif change == "slogdet sign":
+            sign, logdet = pt.linalg.slogdet(F)
+            ll = -0.5 * (log2pi_p + sign * logdet + v @ pt.linalg.solve(F, v))
+        else:
+            ll = -0.5 * (pt.log(pt.linalg.det(2 * np.pi * F)) + v @ pt.linalg.solve(F, v))
+        return T @ (a + K @ v), T @ P_f @ T.T + R @ Q @ R.T, ll
+
+    s = _symbols()
+    ll, a, Ps = ref.kalman_textbook_loop(s["y"], s["a0"], s["L0"] @ s["L0"].T, s["T"], s["Z"], s["R"],
+                                         s["LH"] @ s["LH"].T, s["LQ"] @ s["LQ"].T, step=step)
+    return [ll, a, Ps]
+
+
+KALMAN_NEAR = ["joseph without K H K^T", "joseph with K K^T", "K H K^T for K F K^T", "log det(pi F)",
+               "distributed with +0.5", "slogdet sign"]
+
+
+@pytest.mark.parametrize("change", KALMAN_NEAR)
+def test_kalman_spelling_near_misses_stay_scans(change):
+    report = iterops.explain(_near(change))
+    assert not report.replaced, str(report)
+
+
+def test_kalman_spelling_near_miss_builder_matches_when_unchanged():
+    assert [r.pattern for r in iterops.explain(_near("none")).replaced] == ["kalman_textbook"]
+
+
+def test_kalman_filtered_start_is_predicted():
+    """Predict-then-update with a NaN observation: the poisoned states and log-likelihoods match the loop."""
+    ins, outs, _, vals = _kalman_case(("inv", "minus", "det"), False, True)
+    vals = list(vals)
+    vals[0] = vals[0].copy()
+    vals[0][7, 1] = np.nan
+    f = pytensor.function(ins, outs)
+    g = pytensor.function(ins, outs, mode=_SCAN_MODE)
+    assert _has(f, KalmanFilter)
+    for a, b in zip(f(*vals), g(*vals)):
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        np.testing.assert_allclose(a[~np.isnan(a)], b[~np.isnan(b)], rtol=1e-8, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------
+# Levinson-Durbin
+# ---------------------------------------------------------------------------
+
+LEVINSON_GAMMAS = {
+    "ar2": np.array([2.0, 1.2, 0.5, 0.1, -0.1, 0.05]),
+    "near_unit_root": np.array([1.0, 0.999999, 0.999997, 0.999994, 0.99999, 0.999985]),
+    "not_positive_definite": np.array([1.0, 0.0, 0.0, 1.5, 0.3, 0.2]),
+    # kappa = 2 makes v = -3, then kappa = 1 exactly: v becomes a zero whose sign depends on the spelling
+    # (v - kappa**2 * v = +0, v * (1 - kappa) * (1 + kappa) = -0), and the next kappa = num / v an infinity
+    "unit_kappa_after_negative_v": np.array([1.0, 0.0, 2.0, 0.0, 1.0, 0.5]),
+}
+
+
+@pytest.mark.parametrize("v_update", ["minus", "factored"])
+@pytest.mark.parametrize("gamma_name", list(LEVINSON_GAMMAS))
+def test_levinson_variance_spellings_fused_and_equal(v_update, gamma_name):
+    gamma = pt.vector("gamma")
+    phi, v, kappas = ref.levinson_loop(gamma, 5, step=ref.levinson_spelled_step(v_update))
+    assert [r.pattern for r in iterops.explain([phi, v, kappas]).replaced] == ["levinson_durbin"]
+    ins, outs, vals = [gamma], [phi, v, kappas], [LEVINSON_GAMMAS[gamma_name]]
+    f = pytensor.function(ins, outs)
+    g = pytensor.function(ins, outs, mode=_SCAN_MODE)
+    assert _has(f, LevinsonRecursion) and not _has(f, Scan)
+    for a, b in zip(f(*vals), g(*vals)):
+        # the loop's own arithmetic: NaN, infinities and zeros with their signs where the loop has them;
+        # finite values equal to rounding norm-wise (the summation order of the inner product may differ,
+        # amplified by 1 / (1 - kappa^2) ~ 1e6 near the unit root)
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        special = np.isinf(b) | (b == 0)
+        np.testing.assert_array_equal(np.isinf(a), np.isinf(b))
+        np.testing.assert_array_equal(np.signbit(a[special]), np.signbit(b[special]))
+        fin = np.isfinite(b)
+        scale = max(1.0, float(np.abs(b[fin]).max(initial=0.0)))
+        np.testing.assert_allclose(a[fin], b[fin], rtol=0, atol=1e-9 * scale)
+    if np.all(np.isfinite(g(*vals)[1])):
+        # gradients: the adjoint of the recursion vs autodiff of the loop, norm-wise to rounding (x 1e6 near
+        # the unit root)
+        _compare(ins, outs, ins, vals, LevinsonRecursion, rtol=0, atol=1e-8)
+
+
+# ---------------------------------------------------------------------------
+# Block-diagonal assembly with go_backwards=True
+# ---------------------------------------------------------------------------
+
+
+def _block_sequence_backwards(x):
+    def step(i, xi, out):
+        n, m = xi.shape[0], xi.shape[1]
+        return pt.set_subtensor(out[i * n:(i + 1) * n, i * m:(i + 1) * m], xi)
+
+    k, n, m = x.shape
+    outs = pytensor.scan(step, sequences=[pt.arange(k), x], outputs_info=[pt.zeros((k * n, k * m))],
+                         go_backwards=True, return_updates=False)
+    return outs[-1]
+
+
+@pytest.mark.parametrize("loop", ["indexed", "sequence"])
+@pytest.mark.parametrize("shape", [(3, 2, 3), (1, 1, 1), (0, 2, 2)])
+def test_block_diag_go_backwards_fused_and_equal(loop, shape):
+    x = pt.tensor3("x")
+    out = ref.block_diag_backwards_loop(x) if loop == "indexed" else _block_sequence_backwards(x)
+    val = np.random.default_rng(1).normal(size=shape)
+    if shape[0] == 0:  # 0 blocks: a (0, 0) matrix both ways (the loop's gradient raises: values only)
+        f, g = pytensor.function([x], out), pytensor.function([x], out, mode=_SCAN_MODE)
+        assert _has(f, BlockDiag) and not _has(f, Scan)
+        np.testing.assert_array_equal(f(val), g(val))
+        return
+    f = pytensor.function([x], [out, pytensor.grad((iterops.fuse_loops(out) ** 2).sum(), x)])
+    g = pytensor.function([x], [out, pytensor.grad((out ** 2).sum(), x)], mode=_SCAN_MODE)
+    assert _has(f, BlockDiag) and not _has(f, Scan)
+    for a, b in zip(f(val), g(val)):
+        np.testing.assert_array_equal(a, b)
+
+
+def _block_near(change):
+    x = pt.tensor3("x")
+    k, n, m = x.shape
+
+    indexed = ref.block_diag_step
+
+    def sequence(i, xi, out):
+        bn, bm = xi.shape[0], xi.shape[1]
+        return pt.set_subtensor(out[i * bn:(i + 1) * bn, i * bm:(i + 1) * bm], xi)
+
+    zeros = pt.zeros((k * n, k * m))
+    if change == "backwards over a longer arange":  # visits k+1..2, not k-1..0
+        outs = pytensor.scan(indexed, sequences=[pt.arange(k + 2)], outputs_info=[zeros], non_sequences=[x],
+                             n_steps=k, go_backwards=True, return_updates=False)
+    elif change == "only the index reversed":  # block x[j] written at position k-1-j
+        outs = pytensor.scan(sequence, sequences=[pt.arange(k)[::-1], x], outputs_info=[zeros],
+                             return_updates=False)
+    elif change == "only the blocks reversed":
+        outs = pytensor.scan(sequence, sequences=[pt.arange(k), x[::-1]], outputs_info=[zeros],
+                             return_updates=False)
+    else:
+        outs = pytensor.scan(sequence, sequences=[pt.arange(k), x], outputs_info=[zeros], go_backwards=True,
+                             return_updates=False)
+    return outs[-1]
+
+
+@pytest.mark.parametrize("change", ["backwards over a longer arange", "only the index reversed",
+                                    "only the blocks reversed"])
+def test_block_diag_backwards_near_misses_stay_scans(change):
+    assert not iterops.explain(_block_near(change)).replaced
+
+
+def test_block_diag_backwards_near_miss_builder_matches_when_unchanged():
+    assert iterops.explain(_block_near("none")).replaced
+
+
+# ---------------------------------------------------------------------------
+# The damped fixed point: not matched (no fused Op runs it), so it must stay a Scan
+# ---------------------------------------------------------------------------
+
+
+def test_damped_fixed_point_stays_scan():
+    """``X <- (1 - w) X + w (A X A^T + Q)`` has the fixed-point loop's limit but other iterates (and another
+    stop step): replacing it by the undamped loop would change its values, so it is kept."""
+    from pytensor.scan.utils import until
+
+    def damped(X, A, Q, tol):
+        X_new = 0.5 * X + 0.5 * (A @ X @ A.T + Q)
+        return X_new, until(pt.max(pt.abs(X_new - X)) < tol)
+
+    A, Q = pt.matrix("A"), pt.matrix("Q")
+    assert not iterops.explain(ref.fixed_point_loop(A, Q, step=damped)).replaced
