@@ -7,8 +7,9 @@ Each step's forward quantities are recomputed from the stored predictions (``pre
     predict_vjp -> loglik_vjp -> update_vjp -> observe_vjp
 
 with the output cotangents of a step joining where their output is made.  Over a steady-state
-stretch the gain terms cancel and the covariance cotangents of the whole stretch follow from one
-Lyapunov equation (:func:`_steady_adjoint_run`).
+stretch the gain terms cancel (up to the covariance jitter's, which stay linear in the covariance
+cotangent) and the covariance cotangents of the whole stretch follow from one Lyapunov equation
+(:func:`_steady_adjoint_run`), solved by :mod:`iterops.linalg.lyapunov`'s Smith doubling.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 
 from iterops._fused import keep_alive
 from iterops._linalg_kernels import borrowed, cho_inverse, congruence, matmul, sym_into
+from iterops.linalg.lyapunov import _doubling
 from iterops.ts._kalman_steps import (
     System, closed_loop, fully_observed, innovation, loglik, loglik_vjp, observe, observe_vjp, predict_cov_vjp,
     predict_vjp, reverse_work, rq_vjp, static_cov, static_rq, system_at, ti, update_cov, update_mean, update_vjp,
@@ -54,15 +56,21 @@ class InputCotangents(NamedTuple):
 
 class _SteadyCache(NamedTuple):
     """The update of a steady stretch's predicted covariance, left by the generic reverse of the
-    step just after the stretch (``L, K, Finv, Pf`` are that step's work arrays)."""
+    step just after the stretch (``L, K, Finv, Pf`` are that step's work arrays).  ``j`` is the
+    covariance jitter; with ``j = 0``, ``Aj = A`` and ``N`` is not used."""
 
     P: np.ndarray  #: (m, m) the predicted covariance (bitwise equal over the stretch)
     A: np.ndarray  #: (m, m) I - K Z
-    Lss: np.ndarray  #: (m, m) T A, the closed-loop map
+    Lss: np.ndarray  #: (m, m) T Aj, the closed-loop map of the covariance cotangent
     L: np.ndarray  #: (p, p) chol(F)
     K: np.ndarray  #: (m, p) the gain
     Finv: np.ndarray  #: (p, p) F^{-1}
     Pf: np.ndarray  #: (m, m) the filtered covariance
+    B: np.ndarray  #: (m, p) K F^{-1}
+    N: np.ndarray  #: (m, m) B Z
+    Aj: np.ndarray  #: (m, m) A - j N = I - K (I + j F^{-1}) Z
+    TN: np.ndarray  #: (m, m) T N
+    j: float  #: cov_jitter
 
 
 @numba.njit(cache=True, inline="always")
@@ -79,8 +87,8 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad):
     recomputed from them.  ``cot``: :class:`Cotangents` of the outputs.  Writes the cotangents
     of the inputs into ``grad`` (:class:`InputCotangents`); all NaN if the forward pass failed.
 
-    Steady stretches (see :func:`_steady_adjoint_run`) take a cheaper path when
-    ``cov_jitter = 0``; every other step recomputes its update and reverses its stages, the
+    Steady stretches (see :func:`_steady_adjoint_run`) take a cheaper path (static
+    ``T, Z, R, H, Q``, any ``cov_jitter``); every other step recomputes its update and reverses its stages, the
     output cotangents of the step joining where their output is made.  (That step is written
     out in the loop, where the reverse stages are inlined, rather than in a function of its
     own: a call would pass every array of the NamedTuples on every step.)
@@ -94,10 +102,13 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad):
     G, W, _, Pf_bar, af_bar, _, _, Finv, Fo_bar, X_bar, XZ, vo_bar, a_bar_new, P_bar_new = rw
     v, F, af, Pf = np.empty(p), np.empty((p, p)), np.empty(m), np.empty((m, m))  # the recomputed step
     abar, Pbar = _entering_cotangents(cot, n, m)  # of the prediction entering the current step
-    cache = _SteadyCache(np.empty((m, m)), np.empty((m, m)), np.empty((m, m)), L, K, Finv, Pf)
     jitter, sum_rq = options.jitter, static_rq(system)
+    cache = _SteadyCache(
+        np.empty((m, m)), np.empty((m, m)), np.empty((m, m)), L, K, Finv, Pf, np.empty((m, p)), np.empty((m, m)),
+        np.empty((m, m)), np.empty((m, m)), jitter,
+    )
     Grq = np.zeros((m, m))  # sum of G over the steps, for static R and Q
-    fast = jitter == 0.0 and static_cov(system)
+    fast = static_cov(system)
     cached = False  # the work arrays hold the update of cache.P, fully observed (fast only)
     vary = varies_over_time(system)
     st, gst = system_at(system, 0), system_at(grad.system, 0)  # step t's matrices, cotangents
@@ -137,15 +148,30 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad):
         _carry_cov(P_bar_new, t, cot.predicted_cov, Pbar)
         cached = fast and k == p
         if cached:
-            cache.P[:] = Pp[t]
-            closed_loop(K, Zo, k, cache.A)
-            matmul(system.T[0], cache.A, cache.Lss)
+            _steady_cache(Pp[t], system.T[0], Zo, cache)
         t -= 1
     if sum_rq:
         rq_vjp(Grq, system.R[0], system.Q[0], grad.system.R[0], grad.system.Q[0])
     grad.a0[:] = abar
     grad.P0[:, :] = Pbar
     keep_alive((ws_own, rw_own))
+
+
+@numba.njit(cache=True)
+def _steady_cache(P, Tt, Zt, cache):
+    """Fill ``cache`` (:class:`_SteadyCache`) for the fully observed step just reversed, whose
+    ``K``, ``Finv`` are in ``cache``: ``P``, ``A = I - K Z``, ``B = K F^{-1}``, ``N = B Z``,
+    ``Aj = A - j N``, ``TN = T N``, ``Lss = T Aj``."""
+    m = P.shape[0]
+    cache.P[:] = P
+    closed_loop(cache.K, Zt, Zt.shape[0], cache.A)
+    matmul(cache.K, cache.Finv, cache.B)
+    matmul(cache.B, Zt, cache.N)
+    for i in range(m):
+        for j in range(m):
+            cache.Aj[i, j] = cache.A[i, j] - cache.j * cache.N[i, j]
+    matmul(Tt, cache.N, cache.TN)
+    matmul(Tt, cache.Aj, cache.Lss)
 
 
 @numba.njit(cache=True)
@@ -231,30 +257,36 @@ class _SteadySums(NamedTuple):
 
 _WINDOW_TOL = 1e-18  # ||L^K||_F^2 below which a steady stretch's far steps skip the covariance recursion
 _MAX_DOUBLINGS = 20
+_MAX_JITTER_COUPLING = 1e-3  # bound on the jitter's j^2 term in the stretch's Lyapunov solve (else: recursion)
+_MAX_JITTER_SWEEPS = 12
 
 
 @numba.njit(cache=True)
 def _steady_adjoint_run(t, y, system, options, ap, Pp, cot, grad, abar, Pbar, Grq, cache):
-    """Backward steps t, t-1, ..., s0 of a steady stretch: static system, ``cov_jitter = 0``, every
-    component observed and ``P_s`` bitwise ``cache.P``, whose update is ``cache``
+    """Backward steps t, t-1, ..., s0 of a steady stretch: static system, every component
+    observed and ``P_s`` bitwise ``cache.P``, whose update is ``cache``
     (:class:`_SteadyCache`).  ``abar, Pbar``: the cotangents of ``a_{t+1}, P_{t+1}`` in, of
     ``a_s0, P_s0`` out.  Returns ``s0 - 1``, the next step to process.
 
     With ``S = T^T G T + sym(Pf_bar_out)`` (G = sym(P'_bar)) the gain terms of the generic step
-    cancel: ``K_bar = -S M + a_f_bar v^T`` and ``M_bar = -S K + K_bar F^{-1}`` leave, after
-    symmetrization, ``A^T S A`` because ``K F = M`` (optimal gain).  So ``Mo_bar = a_f_bar w^T``
-    (w = F^{-1} v), ``X = sym(F_bar)``, ``F_bar = -ll_bar/2 (F^{-1} - w w^T) - (K^T a_f_bar) w^T (+ F_bar_out)``
-    and the covariance cotangent obeys ``P_bar_s = Lss^T sym(P_bar_{s+1}) Lss + C_s`` with
+    cancel up to the jitter's: ``K_bar = -S M - 2 j S K + a_f_bar v^T`` and
+    ``M_bar = -S K + K_bar F^{-1}`` leave, after symmetrization, ``A^T S A - j (A^T S N + N^T S A)``
+    (``N = K F^{-1} Z``) because ``K F = M``; that is ``Aj^T S Aj - j^2 N^T S N`` with
+    ``Aj = A - j N``.  So ``Mo_bar = a_f_bar w^T`` (w = F^{-1} v), ``X = sym(F_bar)``,
+    ``F_bar = -ll_bar/2 (F^{-1} - w w^T) - (K^T a_f_bar) w^T (+ F_bar_out)`` and the covariance
+    cotangent obeys ``P_bar_s = Phi(sym(P_bar_{s+1})) + C_s`` with
+    ``Phi(G) = Lss^T G Lss - j^2 (T N)^T G (T N)``, ``Lss = T Aj``, and
 
-        C_s = A^T sym(Pf_bar_out) A + Z^T X Z + sym(Mo_bar Z) + sym(P_bar_out[s]).
+        C_s = Aj^T W Aj - j^2 N^T W N + Z^T X Z + sym(Mo_bar Z) + sym(P_bar_out[s]),  W = sym(Pf_bar_out).
 
     The covariance-path parameter cotangents are linear in ``Gs = sum_s sym(P_bar_{s+1})`` and in
     the sums of ``X``, ``Mo_bar`` and ``sym(Pf_bar_out)``; :func:`_steady_flush` applies them once.
-    Telescoping the recursion gives ``Gs = Lss^T Gs Lss + (sum C + E - P_bar_s0)`` (E = entering
-    cotangent), one Lyapunov equation, so on a long stretch only the ``K`` steps nearest ``s0``
-    (where ``||Lss^K||_F^2 <= 1e-18``) run the O(m^3) recursion, for ``P_bar_s0``; the others do only
-    the O(m p + m^2) mean path (a, v, y, d, c and the a_f-dependent T and Z terms) and the sums.
-    Short stretches, or a closed loop without that decay, run the recursion on every step.
+    Telescoping the recursion gives ``Gs = Phi(Gs) + (sum C + E - P_bar_s0)`` (E = entering
+    cotangent), one Lyapunov equation (:func:`_steady_gs`), so on a long stretch only the ``K`` steps
+    nearest ``s0`` (where ``||Lss^K||_F^2 <= 1e-18``) run the O(m^3) recursion, for ``P_bar_s0``; the
+    others do only the O(m p + m^2) mean path (a, v, y, d, c and the a_f-dependent T and Z terms) and
+    the sums.  Short stretches, a closed loop without that decay, or a jitter whose ``j^2`` term is
+    not small (:func:`_steady_window`) run the recursion on every step.
     """
     p = y.shape[1]
     m = ap.shape[1]
@@ -262,7 +294,7 @@ def _steady_adjoint_run(t, y, system, options, ap, Pp, cot, grad, abar, Pbar, Gr
     while s0 >= 0 and fully_observed(y, s0, options) and _row_same(Pp, s0, cache.P):
         s0 -= 1
     s0 += 1
-    powers, window = _doubling_powers(cache.Lss, t - s0 + 1)
+    window = _steady_window(cache, t - s0 + 1)
     exact = window == 0  # full recursion on every step, Gs summed directly
     sw, sw_own = _steady_work(m, p)
     sums = _SteadySums(np.zeros((m, m)), np.zeros((m, m)), np.zeros((p, p)), np.zeros((m, p)))
@@ -271,8 +303,8 @@ def _steady_adjoint_run(t, y, system, options, ap, Pp, cot, grad, abar, Pbar, Gr
     Tt, Zt = system.T[0], system.Z[0]
     _steady_reverse_steps(t, s0, window, y, system, ap, cot, grad, abar, Pbar, cache, sw, sums)
     if not exact:
-        G = _steady_lyapunov_rhs(t, s0, Zt, cache.A, cot, E, Pbar, sw, sums)
-        sums.Gs[:, :] = _smith_doubling_sum(powers, G)
+        G = _steady_lyapunov_rhs(t, s0, Zt, cache, cot, E, Pbar, sw, sums)
+        sums.Gs[:, :] = _steady_gs(cache, G)
     _steady_flush(Tt, Zt, cache, sums, grad.system.T[0], grad.system.Z[0], grad.system.H[0], Grq)
     keep_alive(sw_own)
     return s0 - 1
@@ -295,97 +327,112 @@ def _steady_work(m, p):
 
 @numba.njit(cache=True)
 def _steady_reverse_steps(t, s0, window, y, system, ap, cot, grad, abar, Pbar, cache, sw, sums):
-    """Steps t, ..., s0 of :func:`_steady_adjoint_run`: on every step the mean path and the sums,
-    on the steps of the window (all when ``window = 0``) the covariance recursion
-    (:func:`_steady_cov_step`).  The arrays are unpacked before the loop, so that a step binds none."""
-    p = y.shape[1]
-    m = ap.shape[1]
+    """Steps t, ..., s0 of :func:`_steady_adjoint_run`: on every step the mean path and the sums
+    (:func:`_steady_mean_step`), on the steps of the window (all when ``window = 0``) the
+    covariance recursion (:func:`_steady_cov_step`)."""
     exact = window == 0
-    c, d, Tt, Zt = system.c, system.d, system.T[0], system.Z[0]
-    K, L, Finv = cache.K, cache.L, cache.Finv
-    gy, gc, gd, gT, gZ = grad.y, grad.system.c, grad.system.d, grad.system.T[0], grad.system.Z[0]
-    _, g_llobs, g_af, g_Pf, g_ap, _, g_v, g_F = cot
-    has_llobs, has_af, has_Pf, has_ap, has_v, has_F = (
-        _has(g_llobs), _has(g_af), _has(g_Pf), _has(g_ap), _has(g_v), _has(g_F)
-    )
-    v, w, u, af, af_bar, _, _, W1, _, X_bar, _ = sw
-    _, Ss, Xs, Ms = sums
     for s in range(t, s0 - 1, -1):
         recursion = exact or s < s0 + window
         if recursion and not exact and s == s0 + window - 1:
             Pbar[:, :] = 0.0  # far steps' contribution to P_bar_s0 is below ||Lss^K||^2: dropped
-        ic, idd = ti(c, s), ti(d, s)
-        innovation(y, d, Zt, ap, s, L, v, w)  # recompute v, w = F^{-1} v and a_f = a + K v
-        for i in range(m):
-            x = ap[s, i]
-            for j in range(p):
-                x += K[i, j] * v[j]
-            af[i] = x
-        for i in range(m):  # a' = T a_f + c: c_bar += a'_bar, a_f_bar = T^T a'_bar, T_bar += a'_bar a_f^T
-            gc[ic, i] += abar[i]
-            x = g_af[s, i] if has_af else 0.0
-            for l in range(m):
-                x += Tt[l, i] * abar[l]
-            af_bar[i] = x
-            for j in range(m):
-                gT[i, j] += abar[i] * af[j]
-        ll_bar = cot.loglik + (g_llobs[s] if has_llobs else 0.0)
-        for i in range(p):  # u = K^T a_f_bar
-            x = 0.0
-            for l in range(m):
-                x += K[l, i] * af_bar[l]
-            u[i] = x
-        for i in range(p):  # X = sym(F_bar)
-            for j in range(i, p):
-                x = -0.5 * ll_bar * (Finv[i, j] - w[i] * w[j]) - 0.5 * (u[i] * w[j] + u[j] * w[i])
-                if has_F:
-                    x += 0.5 * (g_F[s, i, j] + g_F[s, j, i])
-                X_bar[i, j] = x
-                X_bar[j, i] = x
-                Xs[i, j] += x
-                if j != i:
-                    Xs[j, i] += x
-        for i in range(m):  # Mo_bar = a_f_bar w^T
-            for j in range(p):
-                Ms[i, j] += af_bar[i] * w[j]
-        if has_Pf:
-            for i in range(m):
-                for j in range(m):
-                    W1[i, j] = 0.5 * (g_Pf[s, i, j] + g_Pf[s, j, i])
-                    Ss[i, j] += W1[i, j]
-        for i in range(p):  # v = y - d - Z a: v_bar = u - ll_bar w (+ g_v); a_bar = a_f_bar - Z^T v_bar
-            vb = u[i] - ll_bar * w[i]
-            if has_v:
-                vb += g_v[s, i]
-            u[i] = vb
-            gy[s, i] += vb
-            gd[idd, i] -= vb
-            for j in range(m):
-                gZ[i, j] -= vb * ap[s, j]
-        for j in range(m):
-            x = af_bar[j]
-            for i in range(p):
-                x -= Zt[i, j] * u[i]
-            abar[j] = x + (g_ap[s, j] if has_ap else 0.0)
+        _steady_mean_step(s, y, system, ap, cot, grad, abar, cache, sw, sums)
         if recursion:
-            _steady_cov_step(s, exact, Zt, cache.Lss, cache.A, has_Pf, cot.predicted_cov, Pbar, sw, sums.Gs)
+            _steady_cov_step(s, exact, system.Z[0], cache, _has(cot.filtered_cov), cot.predicted_cov, Pbar, sw, sums.Gs)
 
 
 @numba.njit(cache=True)
-def _steady_cov_step(s, exact, Zt, Lss, A, has_Pf, g_Pp, Pbar, sw, Gs):
+def _steady_mean_step(s, y, system, ap, cot, grad, abar, cache, sw, sums):
+    """The mean path of reverse step s of a steady stretch, and its terms of the sums: recompute
+    ``v``, ``w = F^{-1} v``, ``a_f = a + K v``; reverse ``a' = T a_f + c``, the likelihood and
+    ``v = y - d - Z a``.  ``abar``: cotangent of ``a_{s+1}`` in, of ``a_s`` out."""
+    p = y.shape[1]
+    m = ap.shape[1]
+    c, d, Tt, Zt = system.c, system.d, system.T[0], system.Z[0]
+    K, L, Finv = cache.K, cache.L, cache.Finv
+    gy, gc, gd, gT, gZ = grad.y, grad.system.c, grad.system.d, grad.system.T[0], grad.system.Z[0]
+    _, g_llobs, g_af, g_Pf, g_ap, _, g_v, g_F = cot
+    v, w, u, af, af_bar, _, _, W1, _, X_bar, _ = sw
+    _, Ss, Xs, Ms = sums
+    ic, idd = ti(c, s), ti(d, s)
+    innovation(y, d, Zt, ap, s, L, v, w)
+    for i in range(m):
+        x = ap[s, i]
+        for j in range(p):
+            x += K[i, j] * v[j]
+        af[i] = x
+    for i in range(m):  # a' = T a_f + c: c_bar += a'_bar, a_f_bar = T^T a'_bar, T_bar += a'_bar a_f^T
+        gc[ic, i] += abar[i]
+        x = g_af[s, i] if _has(g_af) else 0.0
+        for l in range(m):
+            x += Tt[l, i] * abar[l]
+        af_bar[i] = x
+        for j in range(m):
+            gT[i, j] += abar[i] * af[j]
+    ll_bar = cot.loglik + (g_llobs[s] if _has(g_llobs) else 0.0)
+    for i in range(p):  # u = K^T a_f_bar
+        x = 0.0
+        for l in range(m):
+            x += K[l, i] * af_bar[l]
+        u[i] = x
+    for i in range(p):  # X = sym(F_bar)
+        for j in range(i, p):
+            x = -0.5 * ll_bar * (Finv[i, j] - w[i] * w[j]) - 0.5 * (u[i] * w[j] + u[j] * w[i])
+            if _has(g_F):
+                x += 0.5 * (g_F[s, i, j] + g_F[s, j, i])
+            X_bar[i, j] = x
+            X_bar[j, i] = x
+            Xs[i, j] += x
+            if j != i:
+                Xs[j, i] += x
+    for i in range(m):  # Mo_bar = a_f_bar w^T
+        for j in range(p):
+            Ms[i, j] += af_bar[i] * w[j]
+    if _has(g_Pf):
+        for i in range(m):
+            for j in range(m):
+                W1[i, j] = 0.5 * (g_Pf[s, i, j] + g_Pf[s, j, i])
+                Ss[i, j] += W1[i, j]
+    for i in range(p):  # v = y - d - Z a: v_bar = u - ll_bar w (+ g_v); a_bar = a_f_bar - Z^T v_bar
+        vb = u[i] - ll_bar * w[i] + (g_v[s, i] if _has(g_v) else 0.0)
+        u[i] = vb
+        gy[s, i] += vb
+        gd[idd, i] -= vb
+        for j in range(m):
+            gZ[i, j] -= vb * ap[s, j]
+    for j in range(m):
+        x = af_bar[j]
+        for i in range(p):
+            x -= Zt[i, j] * u[i]
+        abar[j] = x + (g_ap[s, j] if _has(g_ap) else 0.0)
+
+
+@numba.njit(cache=True)
+def _jitter_congruence(X, N, j2, G, W, out, beta):
+    """out = X^T G X - j2 N^T G N + beta out (``W`` scratch): the steady stretch's covariance
+    maps (:func:`_steady_adjoint_run`); ``j2 = 0`` is a plain congruence."""
+    congruence(X, G, W, out, beta)
+    if j2 != 0.0:
+        matmul(G, N, W)
+        matmul(N.T, W, out, -j2, 1.0)
+
+
+@numba.njit(cache=True)
+def _steady_cov_step(s, exact, Zt, cache, has_Pf, g_Pp, Pbar, sw, Gs):
     """The covariance recursion at step s:
-    ``P_bar = Lss^T G Lss + A^T sym(Pf_bar_out) A + Z^T X Z + Mo_bar Z`` (symmetrized by :func:`_carry_cov`),
-    ``G = sym(Pbar)`` (added to ``Gs`` when ``exact``)."""
+    ``P_bar = Phi(G) + Aj^T W Aj - j^2 N^T W N + Z^T X Z + Mo_bar Z`` (symmetrized by :func:`_carry_cov`;
+    ``W = sym(Pf_bar_out)``, ``Phi`` of :func:`_steady_adjoint_run`), ``G = sym(Pbar)`` (added to
+    ``Gs`` when ``exact``)."""
     p, m = sw.W2.shape
     _, w, _, _, af_bar, G, S, W1, P_bar_new, X_bar, W2 = sw
+    j2 = cache.j * cache.j
     sym_into(Pbar, G)
     if exact:
         for i in range(m):
             for j in range(m):
                 Gs[i, j] += G[i, j]
-    congruence(Lss, G, S, P_bar_new, 0.0)
+    _jitter_congruence(cache.Lss, cache.TN, j2, G, S, P_bar_new, 0.0)
     if has_Pf:
-        congruence(A, W1, S, P_bar_new, 1.0)
+        _jitter_congruence(cache.Aj, cache.N, j2, W1, S, P_bar_new, 1.0)
     matmul(X_bar, Zt, W2)
     for i in range(m):
         for j in range(m):
@@ -397,10 +444,10 @@ def _steady_cov_step(s, exact, Zt, Lss, A, has_Pf, g_Pp, Pbar, sw, Gs):
 
 
 @numba.njit(cache=True)
-def _steady_lyapunov_rhs(t, s0, Zt, A, cot, E, Pbar, sw, sums):
-    """The right-hand side ``sum C + E - P_bar_s0`` of ``Gs = L^T Gs L + (sum C + E - P_bar_s0)``, with
-    ``sum C = Z^T Xs Z + sym(Ms Z) + A^T Ss A + Cs``, ``Cs`` the sum of sym(cotangent of
-    predicted_cov[s]) over the stretch ``s = t, ..., s0``."""
+def _steady_lyapunov_rhs(t, s0, Zt, cache, cot, E, Pbar, sw, sums):
+    """The right-hand side ``sum C + E - P_bar_s0`` of ``Gs = Phi(Gs) + (sum C + E - P_bar_s0)``, with
+    ``sum C = Z^T Xs Z + sym(Ms Z) + Aj^T Ss Aj - j^2 N^T Ss N + Cs``, ``Cs`` the sum of
+    sym(cotangent of predicted_cov[s]) over the stretch ``s = t, ..., s0``."""
     p, m = sw.W2.shape
     W2, S, Ms = sw.W2, sw.S, sums.Ms
     Cs = np.zeros((m, m))
@@ -420,7 +467,7 @@ def _steady_lyapunov_rhs(t, s0, Zt, A, cot, E, Pbar, sw, sums):
                 x += Ms[i, l] * Zt[l, j] + Ms[j, l] * Zt[l, i]
             G[i, j] += 0.5 * x + Cs[i, j] + E[i, j] - 0.5 * (Pbar[i, j] + Pbar[j, i])
     if _has(cot.filtered_cov):
-        congruence(A, sums.Ss, S, G, 1.0)
+        _jitter_congruence(cache.Aj, cache.N, cache.j * cache.j, sums.Ss, S, G, 1.0)
     return G
 
 
@@ -428,28 +475,37 @@ def _steady_lyapunov_rhs(t, s0, Zt, A, cot, E, Pbar, sw, sums):
 def _steady_flush(Tt, Zt, cache, sums, gT, gZ, gH, Grq):
     """Add the covariance-path parameter cotangents of a steady stretch (the sums of
     :func:`_steady_adjoint_run`): the predict reverse with ``G = Gs`` (its R/Q part through
-    ``Grq += Gs``, applied once by the caller); with
-    ``S = T^T Gs T + Ss``: ``A_bar = S A (P + P^T)``, ``Z_bar -= K^T A_bar``, ``H_bar += K^T S K``;
+    ``Grq += Gs``, applied once by the caller); with ``S = T^T Gs T + Ss``:
+    ``Z_bar -= K^T S Aj (P + P^T) + j B^T S A (P + P^T)``, ``H_bar += K^T S K + j (K^T S B + B^T S K)``;
     and ``H_bar += Xs``, ``Z_bar += Xs Z (P + P^T) + Ms^T P``.  (The generic step's terms, summed
     with the gain terms cancelled as in :func:`_steady_adjoint_run`.)"""
     m = Tt.shape[0]
     p = Zt.shape[0]
     Gs, Ss, Xs, Ms = sums
-    P, A, K, Pf = cache.P, cache.A, cache.K, cache.Pf
-    predict_cov_vjp(Gs, Tt, Pf, gT, Ss, 1.0, np.empty((m, m)))
+    P, K, Pf, j = cache.P, cache.K, cache.Pf, cache.j
+    predict_cov_vjp(Gs, Tt, Pf, gT, Ss, 1.0, np.empty((m, m)))  # Ss <- S
     Grq += Gs
     Psum = P + P.T
     SA = np.empty((m, m))
-    matmul(Ss, A, SA)
     A_bar = np.empty((m, m))
+    matmul(Ss, cache.Aj, SA)
     matmul(SA, Psum, A_bar)
     matmul(K.T, A_bar, gZ, -1.0, 1.0)
     SK = np.empty((m, p))
     matmul(Ss, K, SK)
     matmul(K.T, SK, gH, 1.0, 1.0)
+    if j != 0.0:
+        matmul(Ss, cache.A, SA)
+        matmul(SA, Psum, A_bar)
+        matmul(cache.B.T, A_bar, gZ, -j, 1.0)
+        KSB = np.empty((p, p))
+        matmul(SK.T, cache.B, KSB)
+        for i in range(p):
+            for l in range(p):
+                gH[i, l] += j * (KSB[i, l] + KSB[l, i])
     for i in range(p):
-        for j in range(p):
-            gH[i, j] += Xs[i, j]
+        for l in range(p):
+            gH[i, l] += Xs[i, l]
     XZ = np.empty((p, m))
     matmul(Xs, Zt, XZ)
     matmul(XZ, Psum, gZ, 1.0, 1.0)
@@ -457,47 +513,80 @@ def _steady_flush(Tt, Zt, cache, sums, gT, gZ, gH, Grq):
 
 
 # ---------------------------------------------------------------------------
-# Smith doubling for the stretch's Lyapunov equation
+# The stretch's Lyapunov equation
 # ---------------------------------------------------------------------------
 
 
 @numba.njit(cache=True)
-def _doubling_powers(Lss, n_steps):
-    """Powers ``L^T, (L^T)^2, (L^T)^4, ...`` of the steady closed-loop map until
-    ``||L^K||_F^2 <= _WINDOW_TOL``.  Returns ``(powers, K)``; ``K = 0`` if that needs ``K >= n_steps``
-    (short stretch, or ``L`` not stable enough): then the stretch runs the full recursion."""
-    m = Lss.shape[0]
-    powers = np.empty((_MAX_DOUBLINGS + 1, m, m))
-    powers[0] = Lss.T
+def _steady_window(cache, n_steps):
+    """Number ``K`` (a power of two) of steps nearest a stretch's start that run the covariance
+    recursion: the first with ``||Lss^K||_F^2 <= _WINDOW_TOL``.  0 (the recursion on every step)
+    if that needs ``K >= n_steps`` (short stretch, or ``Lss`` not stable enough), or if the jitter's
+    ``j^2`` term of ``Phi`` is not small against the Lyapunov solve's gain
+    (``j^2 ||T N||_F^2 prod_k (1 + ||Lss^(2^k)||_F^2) > _MAX_JITTER_COUPLING``: that bounds the
+    contraction of the sweeps of :func:`_steady_gs`)."""
+    m = cache.Lss.shape[0]
+    Pk = cache.Lss.copy()
+    Pn = np.empty((m, m))
+    gain = 1.0
     for k in range(_MAX_DOUBLINGS + 1):
         if (1 << k) >= n_steps:
-            return powers, 0
+            return 0
         nrm = 0.0
         for i in range(m):
             for j in range(m):
-                nrm += powers[k, i, j] * powers[k, i, j]
+                nrm += Pk[i, j] * Pk[i, j]
         if not np.isfinite(nrm):
-            return powers, 0
+            return 0
         if nrm <= _WINDOW_TOL:
-            return powers[:k], 1 << k
-        if k < _MAX_DOUBLINGS:
-            matmul(powers[k], powers[k], powers[k + 1])
-    return powers, 0
+            break
+        gain *= 1.0 + nrm
+        if k == _MAX_DOUBLINGS:
+            return 0
+        matmul(Pk, Pk, Pn)
+        Pk[:, :] = Pn
+    if cache.j != 0.0:
+        tn = 0.0
+        for i in range(m):
+            for j in range(m):
+                tn += cache.TN[i, j] * cache.TN[i, j]
+        if not (cache.j * cache.j * tn * gain <= _MAX_JITTER_COUPLING):
+            return 0
+    return 1 << k
 
 
 @numba.njit(cache=True)
-def _smith_doubling_sum(powers, X):
-    """``sum_{j < K} (L^T)^j X L^j`` by Smith's doubling with the stored powers (``K = 2^len(powers)``);
-    equals the Lyapunov solution ``G = L^T G L + X`` to ``||L^K||^2`` relative."""
-    m = X.shape[0]
-    G = X.copy()
+def _steady_gs(cache, rhs):
+    """Solve ``Gs = Lss^T Gs Lss - j^2 (T N)^T Gs (T N) + rhs`` (:func:`_steady_adjoint_run`):
+    the Lyapunov equation of ``Lss^T`` by Smith's doubling (:func:`iterops.linalg.lyapunov._doubling`,
+    elementwise relative tolerance of machine precision), and for ``j != 0`` fixed-point sweeps on
+    the ``j^2`` term until they change no entry by more than machine precision relative to the
+    largest (they contract by :func:`_steady_window`'s bound).  NaN if doubling does not converge."""
+    m = rhs.shape[0]
+    eps = np.finfo(np.float64).eps
+    LT = np.ascontiguousarray(cache.Lss.T)
+    Gs, ok = _doubling(LT, rhs, eps, 100)
+    if not ok:
+        return np.full((m, m), np.nan)
+    if cache.j == 0.0:
+        return Gs
+    j2 = cache.j * cache.j
+    X = np.empty((m, m))
     W = np.empty((m, m))
-    Gn = np.empty((m, m))
-    for k in range(powers.shape[0]):
-        # G <- G + P G P^T with P = (L^T)^(2^k)
-        matmul(powers[k], G, W)
-        matmul(W, powers[k].T, Gn)
+    for _ in range(_MAX_JITTER_SWEEPS):
+        X[:, :] = rhs
+        matmul(Gs, cache.TN, W)
+        matmul(cache.TN.T, W, X, -j2, 1.0)
+        Gn, ok = _doubling(LT, X, eps, 100)
+        if not ok:
+            return np.full((m, m), np.nan)
+        diff = 0.0
+        scale = 0.0
         for i in range(m):
             for j in range(m):
-                G[i, j] += Gn[i, j]
-    return G
+                diff = max(diff, abs(Gn[i, j] - Gs[i, j]))
+                scale = max(scale, abs(Gn[i, j]))
+        Gs = Gn
+        if diff <= eps * scale:
+            break
+    return Gs

@@ -54,7 +54,11 @@ def kalman_filter_kernel(y, a0, P0, system, options):
     (``max|P_{t+1} - P_t| <= 1e-14 max|P_{t+1}|``), the covariance recursion is
     frozen at ``P_{t+1}``: one more full update computes F, K, P_f from it, and
     later fully observed steps reuse them (only the mean recursion runs, in
-    :func:`_steady_run`).  A step with missing components leaves the steady state.
+    :func:`_steady_run`).  The test does not involve the jitter: the jittered recursion is a
+    fixed-point recursion too.  A step with missing components leaves the steady state; the
+    full recursion then runs until the covariance has converged again and re-enters it (as
+    statsmodels, whose test also needs fully observed steps), so every output equals the
+    step-by-step filter's to rounding.
     """
     n, p = y.shape
     out = filter_outputs(n, a0.shape[0], p)

@@ -85,9 +85,10 @@ each step's update from the stored predictions (``predicted_state``,
 product sits next to the stage in :mod:`iterops.ts._kalman_steps`).  It supports
 cotangents of every output, with respect to every input (``y`` where observed; 0
 where missing).  A disconnected cotangent reaches the adjoint Op as a zero-size
-placeholder.  Over a steady-state stretch the gain terms cancel and the covariance
-cotangents of the whole stretch follow from one Lyapunov equation, so far from
-its start only the O(m p + m^2) mean path runs per step
+placeholder.  Over a steady-state stretch the gain terms cancel (with ``cov_jitter > 0``
+up to a term linear in the covariance cotangent) and the covariance cotangents of the
+whole stretch follow from one Lyapunov equation, so far from its start only the
+O(m p + m^2) mean path runs per step, with or without jitter
 (:func:`iterops.ts._kalman_adjoint._steady_adjoint_run`).  The gradient Op itself
 is not differentiable (second derivatives raise).
 

@@ -1,0 +1,238 @@
+"""The steady-state shortcut of iterops.ts.kalman_filter, forward and adjoint, with and without
+covariance jitter (pymc-extras' ``cov_jitter``).
+
+Oracles: a dense step-by-step NumPy filter written below (no steady state, pymc-extras' Joseph
+arithmetic), statsmodels' KalmanFilter (jitter 0), PyTensor autodiff of pymc-extras'
+``StandardFilter`` Scan (compiled without iterops' rewrites), finite differences (verify_grad).
+"""
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from pytensor.gradient import verify_grad
+from statsmodels.tsa.statespace.kalman_filter import KalmanFilter as SMKalmanFilter
+
+from iterops.ts import kalman_filter
+
+NAMES = ("c", "d", "T", "Z", "R", "H", "Q")
+INPUTS = ("y", "a0", "P0", *NAMES)
+FIELDS = (
+    "loglik", "loglik_obs", "filtered_state", "filtered_cov",
+    "predicted_state", "predicted_cov", "forecast_error", "forecast_error_cov",
+)
+
+
+def steady_model(seed, m, p, r, n, h_scale=0.5):
+    """A random stable static model whose covariance recursion converges within ~40 steps."""
+    rng = np.random.default_rng(seed)
+
+    def spd(k, scale=1.0):
+        X = rng.normal(size=(k, k))
+        return scale * (X @ X.T / k + 0.5 * np.eye(k))
+
+    P0 = spd(m)
+    return dict(
+        y=rng.normal(size=(n, p)), a0=rng.normal(size=m), P0=P0 + P0.T,
+        c=0.1 * rng.normal(size=m), d=0.3 * rng.normal(size=p),
+        T=0.5 * np.eye(m) + 0.2 * rng.normal(size=(m, m)) / np.sqrt(m),
+        Z=rng.normal(size=(p, m)), R=rng.normal(size=(m, r)), H=spd(p, h_scale), Q=spd(r),
+    )
+
+
+def dense_filter(model, jitter=0.0):
+    """Step-by-step Kalman filter in NumPy, no steady state: pymc-extras' StandardFilter arithmetic
+    (jitter on F and on the filtered covariance, Joseph update with the un-jittered H), missing = NaN
+    components dropped.  Returns the 8 outputs of ``kalman_filter``."""
+    y = model["y"]
+    n, p = y.shape
+    m = model["a0"].shape[0]
+    T, Z, R, H, Q, c, d = (model[k] for k in ("T", "Z", "R", "H", "Q", "c", "d"))
+    a, P = model["a0"].copy(), model["P0"].copy()
+    out = dict(
+        loglik_obs=np.zeros(n), filtered_state=np.zeros((n, m)), filtered_cov=np.zeros((n, m, m)),
+        predicted_state=np.zeros((n + 1, m)), predicted_cov=np.zeros((n + 1, m, m)),
+        forecast_error=np.full((n, p), np.nan), forecast_error_cov=np.zeros((n, p, p)),
+    )
+    out["predicted_state"][0], out["predicted_cov"][0] = a, P
+    for t in range(n):
+        o = ~np.isnan(y[t])
+        F = Z @ P @ Z.T + H + jitter * np.eye(p)
+        out["forecast_error_cov"][t] = F
+        if o.any():
+            Zo, Fo, Ho = Z[o], F[np.ix_(o, o)], H[np.ix_(o, o)]
+            v = y[t, o] - d[o] - Zo @ a
+            out["forecast_error"][t, o] = v
+            K = P @ Zo.T @ np.linalg.inv(Fo)
+            A = np.eye(m) - K @ Zo
+            _, logdet = np.linalg.slogdet(Fo)
+            out["loglik_obs"][t] = -0.5 * (o.sum() * np.log(2 * np.pi) + logdet + v @ np.linalg.solve(Fo, v))
+            a = a + K @ v
+            P = A @ P @ A.T + K @ Ho @ K.T + jitter * np.eye(m)
+        else:
+            P = P + jitter * np.eye(m)
+        out["filtered_state"][t], out["filtered_cov"][t] = a, P
+        a = T @ a + c
+        P = T @ P @ T.T + R @ Q @ R.T
+        out["predicted_state"][t + 1], out["predicted_cov"][t + 1] = a, P
+    return [out["loglik_obs"].sum(), *(out[k] for k in FIELDS[1:])]
+
+
+def symbolic_inputs():
+    nd = dict(y=2, a0=1, P0=2, c=1, d=1, T=2, Z=2, R=2, H=2, Q=2)
+    return [pt.tensor(name=k, dtype="float64", shape=(None,) * nd[k]) for k in INPUTS]
+
+
+def call_filter(ins, **kwargs):
+    y, a0, P0, c, d, T, Z, R, H, Q = ins
+    return kalman_filter(y, a0, P0, c=c, d=d, T=T, Z=Z, R=R, H=H, Q=Q, **kwargs)
+
+
+def args_of(model):
+    return [model[k] for k in INPUTS]
+
+
+def frozen_steps(Pp):
+    """Number of predicted covariances bitwise equal to the previous one (the steady-state shortcut ran)."""
+    return int(sum(np.array_equal(Pp[t], Pp[t - 1]) for t in range(1, Pp.shape[0])))
+
+
+JITTERS = [0.0, 1e-8, 1e-3, 0.5]
+
+
+@pytest.fixture(scope="module")
+def filter_fns():
+    """Compiled filters, one per jitter (the jitter is an Op option)."""
+    ins = symbolic_inputs()
+    return {j: pytensor.function(ins, list(call_filter(ins, cov_jitter=j))) for j in JITTERS}
+
+
+@pytest.mark.parametrize("jitter", JITTERS)
+def test_steady_values_match_dense_stepwise(filter_fns, jitter):
+    """Long static series with two gaps (a partly and a fully missing row): the frozen-covariance
+    path runs, leaves the steady state at each gap and re-enters it once the covariance has converged
+    again (statsmodels' rule); every output equals the step-by-step filter's to rounding."""
+    model = steady_model(1, 3, 2, 3, 300)
+    model["y"][150, 0] = np.nan
+    model["y"][220, :] = np.nan
+    out = filter_fns[jitter](*args_of(model))
+    # the shortcut is what is tested: it runs before the first gap and re-enters after each gap
+    Pp = out[5]
+    assert frozen_steps(Pp[:151]) > 80 and frozen_steps(Pp[151:221]) > 20 and frozen_steps(Pp[221:]) > 40
+    for name, ours, ref in zip(FIELDS, out, dense_filter(model, jitter)):
+        np.testing.assert_allclose(ours, ref, rtol=1e-9, atol=1e-10, equal_nan=True, err_msg=name)
+
+
+def test_steady_values_match_statsmodels_without_jitter(filter_fns):
+    model = steady_model(2, 4, 2, 2, 250)
+    model["y"][100, 1] = np.nan
+    kf = SMKalmanFilter(k_endog=2, k_states=4, k_posdef=2)
+    kf.bind(np.asfortranarray(model["y"].T))
+    for k, name in dict(c="state_intercept", d="obs_intercept", T="transition", Z="design", R="selection",
+                        H="obs_cov", Q="state_cov").items():
+        kf[name] = model[k]
+    kf.initialize_known(model["a0"], model["P0"])
+    res = kf.filter()
+    out = filter_fns[0.0](*args_of(model))
+    # statsmodels freezes its covariance a little earlier than we do (its own convergence test), which
+    # moves its states by ~1e-9: the tolerance of this comparison; the dense test above is the tight one
+    np.testing.assert_allclose(out[0], res.llf, rtol=1e-9)
+    np.testing.assert_allclose(out[1], res.llf_obs, rtol=1e-8, atol=1e-9)
+    np.testing.assert_allclose(out[2], res.filtered_state.T, rtol=1e-8, atol=1e-8)
+    np.testing.assert_allclose(out[5], np.moveaxis(res.predicted_state_cov, -1, 0), rtol=1e-8, atol=1e-9)
+
+
+def _weighted(parts, weights):
+    return sum((w * x).sum() for w, x in zip(weights, parts))
+
+
+#: cotangent weights of (loglik_obs, filtered_state, filtered_cov, predicted_state[:-1], predicted_cov[:-1])
+WEIGHT_NDIM = (1, 2, 3, 2, 3)
+_GRAD_FNS = {}
+
+
+def gradient_fns(jitter):
+    """(ours, pymc-extras') compiled ``[weighted sum, its gradient w.r.t. a0, P0, c, ..., Q]``, inputs
+    ``(y, a0, ..., Q, *weights)``; ours also returns ``predicted_cov``.  pymc-extras' Scan is compiled
+    without iterops' rewrites (else it would be fused into our own Op).  One compile per jitter."""
+    if jitter not in _GRAD_FNS:
+        from pymc_extras.statespace.filters.kalman_filter import StandardFilter
+
+        ins = symbolic_inputs()
+        ws = [pt.tensor(name=f"w{i}", dtype="float64", shape=(None,) * k) for i, k in enumerate(WEIGHT_NDIM)]
+        res = call_filter(ins, cov_jitter=jitter, missing_value=-9999.0)
+        ours = _weighted(
+            [res.loglik_obs, res.filtered_state, res.filtered_cov, res.predicted_state[:-1], res.predicted_cov[:-1]], ws
+        )
+        got = {v.name: v for v in StandardFilter(cov_jitter=jitter, missing_fill_value=-9999.0).build_graph(*ins)}
+        theirs = _weighted(
+            [got[k] for k in ("loglike_obs", "filtered_states", "filtered_covariances", "predicted_states",
+                              "predicted_covariances")], ws,
+        )
+        fn_ours = pytensor.function([*ins, *ws], [ours, *pytensor.grad(ours, ins[1:]), res.predicted_cov])
+        fn_theirs = pytensor.function(
+            [*ins, *ws], [theirs, *pytensor.grad(theirs, ins[1:])],
+            mode=pytensor.compile.get_default_mode().excluding("iterops"),
+        )
+        _GRAD_FNS[jitter] = fn_ours, fn_theirs
+    return _GRAD_FNS[jitter]
+
+
+@pytest.mark.parametrize(
+    "jitter, n, cotangents, min_frozen",
+    [
+        (1e-8, 400, "loglik", 300), (1e-8, 400, "all", 300), (1e-8, 70, "all", 15),
+        pytest.param(1e-3, 400, "all", 300, marks=pytest.mark.slow),
+        pytest.param(0.5, 200, "all", 100, marks=pytest.mark.slow),
+    ],
+    ids=["1e-8-window-loglik", "1e-8-window-all", "1e-8-short-all", "1e-3-window-all", "0.5-all"],
+)
+def test_jitter_gradient_matches_autodiff_of_pymc_extras(jitter, n, cotangents, min_frozen):
+    """Gradients with jitter through long steady stretches (the Lyapunov-summed far steps; a short
+    stretch with the recursion on every step; (slow: one compile of the Scan per jitter) a jitter
+    large enough for the j^2 sweeps to matter, and one that forces the recursion), against PyTensor autodiff of pymc-extras' Scan."""
+    rng = np.random.default_rng(4)
+    m, p, r = 3, 2, 2
+    model = steady_model(3, m, p, r, n)
+    model["y"][n // 2, 1] = np.nan
+    shapes = [(n,), (n, m), (n, m, m), (n, m), (n, m, m)]
+    weights = [np.ones(n)] + [np.zeros(s) for s in shapes[1:]]
+    if cotangents == "all":
+        weights = [rng.normal(size=s) / np.sqrt(np.prod(s)) for s in shapes]
+    fn_ours, fn_theirs = gradient_fns(jitter)
+    out_ours = fn_ours(*args_of(model), *weights)
+    out_theirs = fn_theirs(*args_of(model), *weights)
+    assert frozen_steps(out_ours.pop()) >= min_frozen  # the steady-state paths are what is tested
+    np.testing.assert_allclose(out_ours[0], out_theirs[0], rtol=1e-9)
+    for name, g_ours, g_theirs in zip(INPUTS[1:], out_ours[1:], out_theirs[1:]):
+        if name in ("P0", "H", "Q"):  # read through sym() by us, raw by the Scan: compare symmetric parts
+            g_ours, g_theirs = 0.5 * (g_ours + g_ours.T), 0.5 * (g_theirs + g_theirs.T)
+        scale = np.max(np.abs(g_theirs))
+        np.testing.assert_allclose(g_ours, g_theirs, rtol=1e-7, atol=1e-9 * scale, err_msg=f"d/d{name}")
+
+
+@pytest.mark.parametrize("jitter", [1e-2, 0.5])
+def test_jitter_verify_grad_through_steady_stretches(jitter):
+    """Finite differences, jitter on, every output's cotangent, two steady stretches (jitter 0.5:
+    its j^2 term is too large for the Lyapunov-summed path, the recursion runs on every step)."""
+    rng = np.random.default_rng(8)
+    n, m, p = 160, 2, 2
+    model = steady_model(5, m, p, 2, n)
+    model["y"][80, 0] = np.nan
+    missing = np.isnan(model["y"])
+    shapes = [(), (n,), (n, m), (n, m, m), (n + 1, m), (n + 1, m, m), (n, p), (n, p, p)]
+    weights = [rng.normal(size=s) / np.sqrt(max(1, np.prod(s))) for s in shapes]
+
+    def f(y, *rest):
+        y = pt.where(missing, np.nan, y)
+        res = call_filter([y, *rest], cov_jitter=jitter)
+        total = 0.0
+        for w, o, name in zip(weights, res, FIELDS):
+            if name == "forecast_error":
+                o = pt.where(missing, 0.0, o)
+            total = total + (w * o).sum()
+        return total
+
+    args = args_of(model)
+    args[0] = np.nan_to_num(args[0])
+    verify_grad(f, args, rng=rng, abs_tol=1e-5, rel_tol=1e-5)
