@@ -166,8 +166,8 @@ def _build_pymc_extras(m):
     o = m.outer
     jitter, fill = _static_float(m, "jitter"), _static_float(m, "fill")
     y = _n_steps_rows(m, o["y"])
-    res = kalman_filter(y, o["a"], o["P"], o["c"], o["d"], o["T"], o["Z"], o["R"], o["H"], o["Q"],
-                        cov_jitter=jitter, missing_value=fill)
+    res = kalman_filter(y, o["a"], o["P"], c=o["c"], d=o["d"], T=o["T"], Z=o["Z"], R=o["R"], H=o["H"],
+                        Q=o["Q"], cov_jitter=jitter, missing_value=fill)
     out = {
         "a": res.predicted_state[1:],
         "P": res.predicted_cov[1:],
@@ -257,7 +257,8 @@ def _build_textbook(m):
     # entries are set to NaN afterwards.
     missing = pt.isnan(y)
     bad = pt.gt(pt.cumsum(pt.cast(pt.any(missing, axis=-1), "int64")), 0)
-    res = kalman_filter(pt.switch(missing, 0.0, y), o["a"], o["P"], c, d, o["T"], o["Z"], o["R"], o["H"], o["Q"])
+    res = kalman_filter(pt.switch(missing, 0.0, y), o["a"], o["P"], c=c, d=d, T=o["T"], Z=o["Z"], R=o["R"],
+                        H=o["H"], Q=o["Q"])
     nan = np.array(np.nan, dtype=res.loglik_obs.dtype)
     return {
         "a": pt.switch(bad[:, None], nan, res.predicted_state[1:]),
