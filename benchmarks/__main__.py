@@ -105,7 +105,7 @@ def update_sections(path: Path, sections: list[str], stamp: str) -> None:
     text = path.read_text() if path.exists() else "# Benchmark results\n"
     for md in sections:
         title = md.splitlines()[0]
-        block = f"{title}\n\n{stamp}\n" + md[len(title):]
+        block = f"{title}\n\n{stamp}" + md[len(title):]
         lines = text.splitlines(keepends=True)
         start = next((i for i, line in enumerate(lines) if line.rstrip("\n") == title), None)
         if start is None:
