@@ -61,13 +61,13 @@ def _iterops_fns(model):
 
     def build_fwd():
         ins = _inputs(model)
-        fn = pytensor.function(ins, kalman_filter(*ins).loglik, trust_input=True)
+        fn = pytensor.function(ins, kalman_filter(*ins[:3], **dict(zip(NAMES[3:], ins[3:]))).loglik, trust_input=True)
         fn(*[model[k] for k in NAMES])
         return fn
 
     def build_grad():
         ins = _inputs(model)
-        ll = kalman_filter(*ins).loglik
+        ll = kalman_filter(*ins[:3], **dict(zip(NAMES[3:], ins[3:]))).loglik
         fn = pytensor.function(ins, [ll, *pytensor.grad(ll, ins[1:])], trust_input=True)
         fn(*[model[k] for k in NAMES])
         return fn

@@ -37,6 +37,7 @@ object, by :func:`entry_point` and by :class:`FusedOp`'s ``__eq__``/``__hash__``
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import sys
 from functools import cache, wraps
@@ -55,7 +56,7 @@ from pytensor.tensor.utils import _parse_gufunc_signature
 
 __all__ = [
     "FusedOp", "apply_batched", "register_fused_op", "entry_point", "data_ptr", "keep_alive", "F64P", "OpaqueKernel",
-    "opaque_kernel", "PACKAGE_DIGEST", "KERNEL_SOURCES", "PackageCacheLocator",
+    "opaque_kernel", "PACKAGE_DIGEST", "KERNEL_SOURCES", "PackageCacheLocator", "OPAQUE_KERNELS",
 ]
 
 #: ``double*`` in a ``numba.cfunc`` signature (see :func:`data_ptr`).
@@ -198,18 +199,69 @@ class OpaqueKernel:
         self.signature = signature
         self.pyfunc = pyfunc
         name = f"{pyfunc.__module__}.{pyfunc.__name__}{tag}".replace(".", "_")
+        self.name = f"{pyfunc.__module__}.{pyfunc.__name__}{tag}"
         # the digest covers every module the kernel may call into; ``tag``: one pyfunc, several signatures
         self.symbol = f"iterops_{name}_{PACKAGE_DIGEST[:16]}"
+        OPAQUE_KERNELS.append(self)
 
     @property
     def external(self):
         return _register_opaque(self)
 
+    @property
+    def float64_only(self) -> bool:
+        """True when every pointer argument is float64 or int64 (the kernels PyMC models reach by
+        default; float32 and complex variants are compiled when first used)."""
+        ok = {numba.types.float64, numba.types.int64}
+        return all(a.dtype in ok for a in self.signature.args if isinstance(a, numba.types.CPointer))
+
+    def _cfunc(self):
+        from numba.core.ccallback import CFunc
+        from numba.core.sigutils import normalize_signature
+
+        cfunc = CFunc(self.pyfunc, normalize_signature(self.signature), locals={}, options={})
+        cfunc.enable_caching()
+        return cfunc
+
+    def is_cached(self) -> bool:
+        """Whether Numba's on-disk cache holds this kernel's machine code for the current sources
+        (then loading it takes milliseconds; otherwise the first use compiles it)."""
+        try:
+            cfunc = self._cfunc()
+            key = cfunc._cache._index_key(cfunc._sig, cfunc._targetdescr.target_context.codegen())
+            return key in cfunc._cache._cache_file._load_index()
+        except Exception:  # a Numba internal changed: assume cached, say nothing
+            return True
+
+
+#: Every :class:`OpaqueKernel` defined by the package (``iterops.warmup`` compiles them all).
+OPAQUE_KERNELS: list[OpaqueKernel] = []
+
+_log = logging.getLogger("iterops")
+_first_compile_said = False
+
+
+def _say_first_compile(kernel: OpaqueKernel) -> None:
+    """One line per process, before the first kernel that is not in the on-disk cache compiles."""
+    global _first_compile_said
+    if _first_compile_said:
+        return
+    _first_compile_said = True
+    where = numba.core.config.CACHE_DIR or kernel_cache_dir()
+    _log.warning(
+        "iterops: compiling Numba kernels for first use on this machine (%s first; up to about a minute "
+        "per kernel family, once: cached in %s). `python -m iterops.warmup` compiles them all ahead of time.",
+        kernel.name, where,
+    )
+
 
 @cache
 def _register_opaque(kernel: OpaqueKernel):
-    compiled = numba.cfunc(kernel.signature, cache=True)(kernel.pyfunc)
-    llvmlite.binding.add_symbol(kernel.symbol, compiled.address)
+    cfunc = kernel._cfunc()
+    if not kernel.is_cached():
+        _say_first_compile(kernel)
+    cfunc.compile()
+    llvmlite.binding.add_symbol(kernel.symbol, cfunc.address)
     return numba.types.ExternalFunction(kernel.symbol, kernel.signature)
 
 

@@ -2,7 +2,7 @@
 
     scripts/dev demo                       # defaults: a few minutes on 2 cores
     scripts/dev demo --draws 1000 --tune 1000 --chains 4 --cores 4
-    scripts/dev demo --sampler pymc --output my_folder
+    scripts/dev demo --sampler pymc --output my_folder   # PyMC's Python NUTS instead of nutpie
 
 Two models on data that ships with statsmodels (no downloads):
 
@@ -28,13 +28,17 @@ Two models on data that ships with statsmodels (no downloads):
 
 Each model is written twice: with ``iterops.ts.kalman_filter`` (one fused
 Numba Op and its hand-written adjoint) and the way PyMC users write it today:
-a ``pytensor.scan`` Kalman filter (:func:`scan_kalman_filter`) with PyTensor's
-own ``solve_discrete_lyapunov``.  Both are sampled in the same run with the same
-NUTS sampler (PyMC's NUTS by default; ``--sampler nutpie``, or ``auto`` for
-nutpie when installed as ``pm.sample`` does); the summary table reports compile
-time (everything ``pm.sample`` does before the first draw), sampling wall time
-and bulk effective sample size per second (``arviz.ess``, minimum over the
-parameters).  Figures go to ``--output`` (default ``demo_output/``):
+a ``pytensor.scan`` Kalman filter (the textbook loop of
+:func:`iterops.reference_loops.kalman_textbook_loop`, see :func:`scan_loglik`)
+with PyTensor's own ``solve_discrete_lyapunov``, sampled with iterops' Scan
+rewrites off (:func:`iterops.fusion.disabled`), so it stays the Scan users have
+without iterops.  Both are sampled in the same run with the same NUTS sampler:
+``pm.sample``'s default (nutpie when it is installed, else PyMC's NUTS), or
+``--sampler pymc`` / ``--sampler nutpie``, or ``--sampler both`` (side by side).  The summary table reports compile
+time (everything ``pm.sample`` does before the first draw; the first run on a
+machine includes compiling iterops' Numba kernels, said in the table), sampling
+wall time and bulk effective sample size per second (``arviz.ess``, minimum
+over the parameters).  Figures go to ``--output`` (default ``demo_output/``):
 posteriors (both implementations overlaid: they agree), filtered and smoothed
 states with 95% bands over the data, and the timing bar chart.
 """
@@ -60,7 +64,7 @@ __all__ = [
     "local_level_model",
     "pymc_extras_local_linear_trend_model",
     "ar2_noise_model",
-    "scan_kalman_filter",
+    "scan_loglik",
     "MODELS",
     "main",
 ]
@@ -92,44 +96,27 @@ def load_inflation():
 # ---------------------------------------------------------------------------
 
 
-def scan_kalman_filter(y, a0, P0, c, d, T, Z, R, H, Q):
-    """A plain ``pytensor.scan`` Kalman filter (time-invariant system, no missing data).
+def scan_loglik(y, a0, P0, *, d, T, Z, R, H, Q):
+    """Log-likelihood from the ``pytensor.scan`` Kalman filter users write (time-invariant system,
+    no state intercept, no missing data): :func:`iterops.reference_loops.kalman_textbook_loop` on
+    ``y - d``.  Arguments as :func:`iterops.ts.kalman_filter`'s (without ``c``).
 
-    The loop ``iterops.ts.kalman_filter`` replaces, written as in pymc-extras'
-    ``StandardFilter`` and most PyMC state-space examples.  Shapes as in
-    :func:`iterops.ts.kalman_filter`; returns ``(loglik, loglik_obs,
-    filtered_state, filtered_cov)``.
+    Compile it with iterops' rewrites off (:func:`iterops.fusion.disabled` or
+    ``mode.excluding("iterops")``) to keep the Scan: iterops recognises this loop and would
+    replace it by :func:`iterops.ts.kalman_filter`.
     """
-    y = pt.as_tensor(y)
-    p = y.shape[-1]
+    from iterops.reference_loops import kalman_textbook_loop
 
-    def step(y_t, a, P, c, d, T, Z, R, H, Q):
-        v = y_t - d - Z @ a
-        F = Z @ P @ Z.T + H
-        F_inv = pt.linalg.inv(F)
-        K = P @ Z.T @ F_inv
-        ll = -0.5 * (p * np.log(2 * np.pi) + pt.log(pt.linalg.det(F)) + v @ F_inv @ v)
-        a_f = a + K @ v
-        IKZ = pt.eye(a.shape[0]) - K @ Z
-        P_f = IKZ @ P @ IKZ.T + K @ H @ K.T
-        return T @ a_f + c, T @ P_f @ T.T + R @ Q @ R.T, a_f, P_f, ll
-
-    _, _, a_f, P_f, ll = pytensor.scan(
-        step,
-        sequences=[y],
-        outputs_info=[pt.as_tensor(a0), pt.as_tensor(P0), None, None, None],
-        non_sequences=[pt.as_tensor(x) for x in (c, d, T, Z, R, H, Q)],
-        strict=True,
-        return_updates=False,
-    )
-    return ll.sum(), ll, a_f, P_f
+    y, d = pt.as_tensor(y), pt.as_tensor(d)
+    ll, _, _ = kalman_textbook_loop(y - d, *map(pt.as_tensor, (a0, P0, T, Z, R, H, Q)))
+    return ll.sum()
 
 
-def _filter(impl, y, a0, P0, c, d, T, Z, R, H, Q):
+def _filter(impl, y, a0, P0, system):
     if impl == "iterops":
-        return iterops.ts.kalman_filter(y, a0, P0, c=c, d=d, T=T, Z=Z, R=R, H=H, Q=Q).loglik
+        return iterops.ts.kalman_filter(y, a0, P0, **system).loglik
     if impl == "scan":
-        return scan_kalman_filter(y, a0, P0, c, d, T, Z, R, H, Q)[0]
+        return scan_loglik(y, a0, P0, **system)
     raise ValueError(f"impl must be 'iterops' or 'scan', got {impl!r}")
 
 
@@ -139,14 +126,14 @@ def _filter(impl, y, a0, P0, c, d, T, Z, R, H, Q):
 
 
 def local_level_system(sigma_obs, sigma_level, y0, diffuse=1e6):
-    """``(a0, P0, c, d, T, Z, R, H, Q)`` of the local-level model (m = p = r = 1)."""
+    """``(a0, P0, system)`` of the local-level model (m = p = r = 1); ``system``: the keyword
+    arguments ``d, T, Z, R, H, Q`` of :func:`iterops.ts.kalman_filter` (no state intercept)."""
     def one():
         return pt.ones((1, 1))
 
-    return (
-        pt.as_tensor([float(y0)]), diffuse * one(), pt.zeros(1), pt.zeros(1), one(), one(), one(),
-        pt.reshape(sigma_obs**2, (1, 1)), pt.reshape(sigma_level**2, (1, 1)),
-    )
+    system = dict(d=pt.zeros(1), T=one(), Z=one(), R=one(), H=pt.reshape(sigma_obs**2, (1, 1)),
+                  Q=pt.reshape(sigma_level**2, (1, 1)))
+    return pt.as_tensor([float(y0)]), diffuse * one(), system
 
 
 def local_level_model(y, impl="iterops"):
@@ -158,8 +145,8 @@ def local_level_model(y, impl="iterops"):
     with pm.Model(coords={"time": np.arange(len(y))}) as model:
         sigma_obs = pm.HalfNormal("sigma_obs", 2 * scale)
         sigma_level = pm.HalfNormal("sigma_level", 2 * scale)
-        system = local_level_system(sigma_obs, sigma_level, y[0])
-        pm.Potential("loglik", _filter(impl, y[:, None], *system))
+        a0, P0, system = local_level_system(sigma_obs, sigma_level, y[0])
+        pm.Potential("loglik", _filter(impl, y[:, None], a0, P0, system))
     return model
 
 
@@ -181,25 +168,24 @@ def pymc_extras_local_linear_trend_model(y):
 
 
 def ar2_noise_system(mean, pacf, sigma_state, sigma_obs, lyapunov=iterops.solve_discrete_lyapunov):
-    """``(phi, (a0, P0, c, d, T, Z, R, H, Q))`` of the AR(2)-plus-noise model (m = 2, p = r = 1)."""
+    """``(phi, (a0, P0, system))`` of the AR(2)-plus-noise model (m = 2, p = r = 1); ``system``: the
+    keyword arguments ``d, T, Z, R, H, Q`` of :func:`iterops.ts.kalman_filter` (no state intercept)."""
     phi1 = pacf[0] * (1 - pacf[1])
     phi2 = pacf[1]
     T = pt.stack([pt.stack([phi1, phi2]), pt.stack([pt.constant(1.0), pt.constant(0.0)])])
     R = pt.as_tensor([[1.0], [0.0]])
     Q = pt.reshape(sigma_state**2, (1, 1))
     P0 = lyapunov(T, R @ Q @ R.T)
-    system = (
-        pt.zeros(2), P0, pt.zeros(2), pt.reshape(mean, (1,)), T, pt.as_tensor([[1.0, 0.0]]), R,
-        pt.reshape(sigma_obs**2, (1, 1)), Q,
-    )
-    return pt.stack([phi1, phi2]), system
+    system = dict(d=pt.reshape(mean, (1,)), T=T, Z=pt.as_tensor([[1.0, 0.0]]), R=R,
+                  H=pt.reshape(sigma_obs**2, (1, 1)), Q=Q)
+    return pt.stack([phi1, phi2]), (pt.zeros(2), P0, system)
 
 
 def ar2_noise_model(y, impl="iterops"):
     """PyMC AR(2)-plus-noise model with stationary initialization (see module docstring).
 
     ``impl="iterops"``: ``iterops.solve_discrete_lyapunov`` + ``iterops.ts.kalman_filter``;
-    ``impl="scan"``: PyTensor's ``solve_discrete_lyapunov`` + :func:`scan_kalman_filter`.
+    ``impl="scan"``: PyTensor's ``solve_discrete_lyapunov`` + :func:`scan_loglik`.
     """
     import pymc as pm
 
@@ -211,9 +197,9 @@ def ar2_noise_model(y, impl="iterops"):
         pacf = pm.Uniform("pacf", -1.0, 1.0, shape=2)
         sigma_state = pm.HalfNormal("sigma_state", sd)
         sigma_obs = pm.HalfNormal("sigma_obs", sd / 2)
-        phi, system = ar2_noise_system(mean, pacf, sigma_state, sigma_obs, lyapunov)
+        phi, (a0, P0, system) = ar2_noise_system(mean, pacf, sigma_state, sigma_obs, lyapunov)
         pm.Deterministic("phi", phi)
-        pm.Potential("loglik", _filter(impl, y[:, None], *system))
+        pm.Potential("loglik", _filter(impl, y[:, None], a0, P0, system))
     return model
 
 
@@ -248,14 +234,13 @@ def _state_function(spec: DemoModel, y):
     Y = y[:, None]
     if spec.name == "nile":
         inputs = [pt.dscalar("sigma_obs"), pt.dscalar("sigma_level")]
-        system = local_level_system(*inputs, y[0])
+        a0, P0, system = local_level_system(*inputs, y[0])
     else:
         inputs = [pt.dscalar("mean"), pt.dvector("pacf"), pt.dscalar("sigma_state"), pt.dscalar("sigma_obs")]
-        _, system = ar2_noise_system(*inputs)
-    a0, P0, c, d, T, Z, R, H, Q = system
-    filt = iterops.ts.kalman_filter(Y, a0, P0, c=c, d=d, T=T, Z=Z, R=R, H=H, Q=Q)
-    smooth = iterops.ts.kalman_smoother(Y, a0, P0, c=c, d=d, T=T, Z=Z, R=R, H=H, Q=Q)
-    outs = [filt.filtered_state, filt.filtered_cov, smooth.smoothed_state, smooth.smoothed_cov, d]
+        _, (a0, P0, system) = ar2_noise_system(*inputs)
+    filt = iterops.ts.kalman_filter(Y, a0, P0, **system)
+    smooth = iterops.ts.kalman_smoother(Y, a0, P0, **system)
+    outs = [filt.filtered_state, filt.filtered_cov, smooth.smoothed_state, smooth.smoothed_cov, system["d"]]
     return pytensor.function(inputs, outs)
 
 
@@ -291,7 +276,15 @@ def state_bands(spec: DemoModel, idata, y, n_draws=200, seed=0):
 
 
 def default_sampler() -> str:
+    """The NUTS implementation ``pm.sample()`` picks for these models: nutpie when installed."""
     return "nutpie" if importlib.util.find_spec("nutpie") is not None else "pymc"
+
+
+def uncached_kernels() -> set[str]:
+    """iterops' float64 kernels that are not in the on-disk cache yet (the first graph using one compiles it)."""
+    from iterops._fused import OPAQUE_KERNELS
+
+    return {k.name for k in OPAQUE_KERNELS if k.float64_only and not k.is_cached()}
 
 
 @dataclass
@@ -303,26 +296,32 @@ class Run:
     sample_s: float
     ess_bulk_min: float
     idata: object = None
+    note: str = ""
 
     @property
     def ess_per_s(self) -> float:
         return self.ess_bulk_min / self.sample_s if self.sample_s > 0 else float("nan")
 
 
-def fit(model, *, sampler, draws, tune, chains, cores, seed, progressbar=True, params=None):
+def fit(model, *, sampler=None, draws, tune, chains, cores, seed, progressbar=True, params=None, fusion=True):
     """``pm.sample`` with timing: returns ``(idata, compile_s, sample_s, min bulk ESS)``.
 
-    ``sample_s`` is the sampler's own ``sampling_time``; ``compile_s`` is the rest
-    of ``pm.sample``'s wall time (compiling logp and gradient, initial point).
+    ``sampler=None`` is ``pm.sample``'s default (nutpie when installed); the one used is
+    ``idata.posterior.attrs["inference_library"]``.  ``fusion=False`` samples with iterops' Scan
+    rewrites off (the Scan baseline).  ``sample_s`` is the sampler's own ``sampling_time``;
+    ``compile_s`` is the rest of ``pm.sample``'s wall time (compiling logp and gradient, initial point).
     """
+    import contextlib
+
     import arviz as az
     import pymc as pm
 
+    kwargs = {} if sampler is None else {"nuts_sampler": sampler}
     t0 = time.perf_counter()
-    with model, warnings.catch_warnings():
+    with model, warnings.catch_warnings(), (contextlib.nullcontext() if fusion else iterops.fusion.disabled()):
         warnings.simplefilter("ignore")
         idata = pm.sample(draws=draws, tune=tune, chains=chains, cores=cores, random_seed=seed,
-                          nuts_sampler=sampler, progressbar=progressbar, compute_convergence_checks=False)
+                          progressbar=progressbar, compute_convergence_checks=False, **kwargs)
     total = time.perf_counter() - t0
     post = idata.posterior.to_dataset()
     sample_s = float(post.attrs.get("sampling_time", total))
@@ -341,15 +340,14 @@ def summary_table(runs: list[Run]) -> str:
     lines = [head, "-" * len(head)]
     for r in runs:
         lines.append(f"{r.model:<10} {r.impl:<8} {r.sampler:<7} {r.compile_s:9.1f} {r.sample_s:9.1f} "
-                     f"{r.ess_bulk_min:8.0f} {r.ess_per_s:8.1f}")
-    by = {(r.model, r.impl): r for r in runs}
-    for name in dict.fromkeys(r.model for r in runs):
-        a, b = by.get((name, "iterops")), by.get((name, "scan"))
+                     f"{r.ess_bulk_min:8.0f} {r.ess_per_s:8.1f}" + (f"  ({r.note})" if r.note else ""))
+    by = {(r.model, r.sampler, r.impl): r for r in runs}
+    for name, sampler in dict.fromkeys((r.model, r.sampler) for r in runs):
+        a, b = by.get((name, sampler, "iterops")), by.get((name, sampler, "scan"))
         if a and b:
-            lines.append(f"{name}: iterops vs scan: ESS/s x{a.ess_per_s / b.ess_per_s:.1f}, "
+            lines.append(f"{name} ({sampler}): iterops vs scan: ESS/s x{a.ess_per_s / b.ess_per_s:.1f}, "
                          f"compile time scan/iterops x{b.compile_s / max(a.compile_s, 1e-9):.2g}, "
-                         f"sampling time scan/iterops x{b.sample_s / max(a.sample_s, 1e-9):.2g} "
-                         "(a first run includes compiling iterops' Numba kernels; they are cached on disk)")
+                         f"sampling time scan/iterops x{b.sample_s / max(a.sample_s, 1e-9):.2g}")
     return "\n".join(lines)
 
 
@@ -415,7 +413,7 @@ def plot_timing(runs: list[Run], path: Path):
     """Compile time, sampling time and bulk ESS per second, one bar per (model, implementation)."""
     import matplotlib.pyplot as plt
 
-    labels = [f"{r.model}\n{r.impl}" for r in runs]
+    labels = [f"{r.model}\n{r.impl}" + (f"\n{r.sampler}" if len({x.sampler for x in runs}) > 1 else "") for r in runs]
     colors = ["C0" if r.impl == "iterops" else "C1" for r in runs]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), layout="constrained")
     for ax, (title, unit, vals) in zip(axes, [
@@ -427,7 +425,8 @@ def plot_timing(runs: list[Run], path: Path):
         ax.set_ylabel(unit)
         ax.set_xlabel("model / implementation")
         ax.tick_params(axis="x", labelsize=8)
-    fig.suptitle(f"iterops vs pytensor.scan ({runs[0].sampler} NUTS, minimum bulk ESS over the parameters)")
+    samplers = " / ".join(dict.fromkeys(r.sampler for r in runs))
+    fig.suptitle(f"iterops vs pytensor.scan ({samplers} NUTS, minimum bulk ESS over the parameters)")
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -440,8 +439,9 @@ def plot_timing(runs: list[Run], path: Path):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m iterops.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    parser.add_argument("--sampler", choices=["auto", "pymc", "nutpie"], default="pymc",
-                        help="NUTS implementation (default pymc; auto: nutpie when installed, as pm.sample does)")
+    parser.add_argument("--sampler", choices=["default", "pymc", "nutpie", "both"], default="default",
+                        help="NUTS implementation: pm.sample's default (nutpie when installed, else PyMC's NUTS), "
+                             "PyMC's Python NUTS, nutpie, or both (nutpie and PyMC's, side by side)")
     parser.add_argument("--draws", type=int, default=500)
     parser.add_argument("--tune", type=int, default=500)
     parser.add_argument("--chains", type=int, default=2)
@@ -455,32 +455,44 @@ def main(argv=None) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
-    sampler = default_sampler() if args.sampler == "auto" else args.sampler
+    samplers = {"default": [None], "both": ["nutpie", "pymc"]}.get(args.sampler, [args.sampler])
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     impls = ["iterops"] if args.no_scan else ["iterops", "scan"]
-    print(f"iterops {iterops.__version__} demo: models {args.models}, NUTS sampler {sampler}, "
+    uncached = uncached_kernels()
+    names = ", ".join(s or default_sampler() for s in samplers)
+    print(f"iterops {iterops.__version__} demo: models {args.models}, NUTS sampler {names}, "
           f"{args.chains} chains x ({args.tune} tune + {args.draws} draws); output in {out}/", flush=True)
+    if uncached:
+        print("first run on this machine: iterops compiles its Numba kernels once (cached on disk; "
+              "`python -m iterops.warmup` does it ahead of time)", flush=True)
 
     runs: list[Run] = []
     for name in args.models:
         spec = MODELS[name]
         t, y = spec.load()
         model_runs = []
-        for impl in impls:
-            print(f"\n== {spec.title} [{impl}] ==", flush=True)
-            model = spec.build(y, impl)
-            if impl == "scan":  # this Joseph-form loop is not a pattern iterops replaces: it stays a Scan
-                print(iterops.explain(model.logp()), flush=True)
-            idata, c_s, s_s, ess = fit(model, sampler=sampler, draws=args.draws, tune=args.tune,
-                                       chains=args.chains, cores=args.cores, seed=args.seed,
-                                       progressbar=not args.no_progressbar, params=spec.params)
-            run = Run(name, impl, sampler, c_s, s_s, ess, idata)
-            print(f"   compile {c_s:.1f} s, sampling {s_s:.1f} s, min bulk ESS {ess:.0f} "
-                  f"({run.ess_per_s:.1f}/s)", flush=True)
-            model_runs.append(run)
+        for sampler in samplers:
+            for impl in impls:
+                print(f"\n== {spec.title} [{impl}, {sampler or default_sampler()}] ==", flush=True)
+                model = spec.build(y, impl)
+                idata, c_s, s_s, ess = fit(model, sampler=sampler, draws=args.draws, tune=args.tune,
+                                           chains=args.chains, cores=args.cores, seed=args.seed,
+                                           progressbar=not args.no_progressbar, params=spec.params,
+                                           fusion=impl == "iterops")  # the Scan baseline stays a Scan
+                used = idata.posterior.attrs.get("inference_library", "pymc")
+                run = Run(name, impl, used, c_s, s_s, ess, idata)
+                if uncached and impl == "iterops":
+                    now = uncached_kernels()
+                    if uncached - now:
+                        run.note = f"includes compiling {len(uncached - now)} iterops kernel(s), once per machine"
+                    uncached = now
+                print(f"   compile {c_s:.1f} s, sampling {s_s:.1f} s, min bulk ESS {ess:.0f} "
+                      f"({run.ess_per_s:.1f}/s)" + (f"; {run.note}" if run.note else ""), flush=True)
+                model_runs.append(run)
         runs += model_runs
-        plot_posteriors(spec, model_runs, out / f"{name}_posterior.png")
+        plot_posteriors(spec, [r for r in model_runs if r.sampler == model_runs[0].sampler],
+                        out / f"{name}_posterior.png")
         plot_states(spec, t, y, state_bands(spec, model_runs[0].idata, y), out / f"{name}_states.png")
     plot_timing(runs, out / "timing.png")
     table = summary_table(runs)

@@ -89,9 +89,10 @@ def test_kalman_entry_points_built_once(linker):
     # default missing_value=None: the entry points get a NaN sentinel; a cov_jitter unique to
     # this test gives entry points no other test has built
     opts = dict(cov_jitter=1.2345e-11)
-    res = kalman_filter(*syms, **opts)
+    system = dict(zip(("c", "d", "T", "Z", "R", "H", "Q"), syms[3:]))
+    res = kalman_filter(*syms[:3], **system, **opts)
     T = syms[5]
-    outs = [res.loglik, pytensor.grad(res.loglik + res.filtered_state.sum(), T), kalman_smoother(*syms, **opts)[0]]
+    outs = [res.loglik, pytensor.grad(res.loglik + res.filtered_state.sum(), T), kalman_smoother(*syms[:3], **system, **opts)[0]]
     entries = [kalman._filter_entry, kalman._adjoint_entry, kalman_smoother_module._smoother_entry]
     before = [e.cache_info().misses for e in entries]
     f = pytensor.function(syms, outs, mode=LINKERS[linker])

@@ -6,6 +6,8 @@ StandardFilter (jitter / missing-value conventions), finite differences
 autodiff of a plain Scan Kalman filter written below, scipy's Lyapunov solver.
 """
 
+import inspect
+
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
@@ -111,6 +113,16 @@ def model_args(model):
     return [model[k] for k in ("y", "a0", "P0", *NAMES)]
 
 
+def kf(args, **kwargs):
+    """``kalman_filter`` on a list ``[y, a0, P0, c, d, T, Z, R, H, Q]`` (system matrices by keyword)."""
+    return kalman_filter(*args[:3], **dict(zip(NAMES, args[3:])), **kwargs)
+
+
+def ks(args, **kwargs):
+    """``kalman_smoother`` on a list ``[y, a0, P0, c, d, T, Z, R, H, Q]`` (system matrices by keyword)."""
+    return kalman_smoother(*args[:3], **dict(zip(NAMES, args[3:])), **kwargs)
+
+
 # ---------------------------------------------------------------------------
 # statsmodels
 # ---------------------------------------------------------------------------
@@ -122,8 +134,8 @@ TV_CASES = {"static": (), "all_time_varying": NAMES, "T_Z_H": ("T", "Z", "H")}
 def filter_and_smoother_fn(request):
     tv = TV_CASES[request.param]
     ins = symbolic_inputs({}, tv)
-    res = kalman_filter(*ins, time_varying=tv)
-    sm = kalman_smoother(*ins, time_varying=tv)
+    res = kf(ins, time_varying=tv)
+    sm = ks(ins, time_varying=tv)
     fn = pytensor.function(ins, [*res, *sm])
     return tv, fn
 
@@ -149,7 +161,7 @@ def test_steady_state_long_series_matches_statsmodels():
     model = random_model(rng, 3, 2, 3, 400, missing=False)
     model["y"][300, 1] = np.nan  # leave and re-enter the steady state
     ins = symbolic_inputs(model)
-    res = kalman_filter(*ins)
+    res = kf(ins)
     out = pytensor.function(ins, list(res))(*model_args(model))
     expected = sm_outputs(statsmodels_results(model))
     for name, value in zip(FIELDS, out):
@@ -175,7 +187,7 @@ def test_matches_pymc_extras_standard_filter():
     filt = StandardFilter(time_varying_names=("design",))
     theirs = filt.build_graph(*ins)
     names = [v.name for v in theirs]
-    ours = kalman_filter(*ins, time_varying=tv, cov_jitter=filt.cov_jitter, missing_value=filt.missing_fill_value)
+    ours = kf(ins, time_varying=tv, cov_jitter=filt.cov_jitter, missing_value=filt.missing_fill_value)
     fn = pytensor.function(ins, [*theirs, *ours], mode="FAST_RUN")
     vals = fn(*model_args(model))
     th = dict(zip(names, vals[: len(theirs)]))
@@ -226,7 +238,7 @@ def test_verify_grad_all_outputs(tv):
 
     def f(y, *rest):
         y = pt.where(missing, np.nan, y)
-        res = kalman_filter(y, *rest, time_varying=tv, cov_jitter=1e-3)
+        res = kf([y, *rest], time_varying=tv, cov_jitter=1e-3)
         return _weighted_loss(res, weights, missing)
 
     args = model_args(model)
@@ -235,7 +247,9 @@ def test_verify_grad_all_outputs(tv):
 
 
 def scan_kalman_filter(y, a0, P0, c, d, T, Z, R, H, Q):
-    """Reference: plain pytensor.scan Kalman filter (no missing data, no jitter), Joseph form."""
+    """Plain pytensor.scan Kalman filter with every output of ours (no missing data, no jitter),
+    Joseph form.  Not :func:`iterops.reference_loops.kalman_textbook_loop`: that loop has no
+    intercepts ``c``, ``d`` and no filtered outputs, which this one differentiates."""
     m = a0.shape[0]
 
     def step(y_t, a, P, c, d, T, Z, R, H, Q):
@@ -263,10 +277,56 @@ def scan_kalman_filter(y, a0, P0, c, d, T, Z, R, H, Q):
     return (ll.sum(), ll, a_f, P_f, a_pred, P_pred, v, F)
 
 
+NO_ITEROPS = pytensor.compile.mode.get_default_mode().excluding("iterops")  # the loops stay Scans
+
+
+def _compare_gradients(ins, names, ours, ref, values, *, sym_P0, sym_read=("P0",)):
+    g_ours = pytensor.grad(ours, ins)
+    g_ref = pytensor.grad(ref, ins)
+    out = pytensor.function(ins, [ours, ref, *g_ours, *g_ref], mode=NO_ITEROPS)(*values)
+    assert_close(out[0], out[1], "value", rtol=1e-9)
+    k = len(ins)
+    for i, name in enumerate(names):
+        ours_i, ref_i = out[2 + i], out[2 + k + i]
+        if name in sym_read:
+            # the filter reads P0 (and H, Q) through sym(.) (documented); a Scan that uses their raw
+            # entries has another gradient off the symmetric subspace: compare the symmetric parts
+            if sym_P0 and name == "P0":
+                np.testing.assert_array_equal(ours_i, ours_i.T)
+            ours_i, ref_i = 0.5 * (ours_i + ours_i.T), 0.5 * (ref_i + ref_i.T)
+        assert_close(ours_i, ref_i, f"d/d{name}", rtol=1e-7, atol=1e-8)
+
+
 @pytest.mark.parametrize("n", [60, 400])
-def test_gradient_matches_autodiff_of_scan(n):
-    """Static system, long enough to reach the steady state: n=60 runs the steady backward
-    recursion on every step of the stretch, n=400 the Lyapunov-summed far steps."""
+def test_gradient_matches_autodiff_of_reference_loop(n):
+    """Loglik, predictions and their gradients against autodiff of the textbook Scan users write
+    (:func:`iterops.reference_loops.kalman_textbook_loop`, no intercepts), kept a Scan.  Static
+    system, long enough to reach the steady state: n=60 runs the steady backward recursion on
+    every step of the stretch, n=400 the Lyapunov-summed far steps."""
+    from iterops.reference_loops import kalman_textbook_loop
+
+    rng = np.random.default_rng(7)
+    m, p, r = 3, 2, 2
+    model = random_model(rng, m, p, r, n, missing=False)
+    model["P0"] = model["P0"] + model["P0"].T  # exactly symmetric
+    names = ("y", "a0", "P0", "T", "Z", "R", "H", "Q")
+    ins = [pt.tensor(name=k, dtype="float64", shape=(None, p) if k == "y" else (None,) * model[k].ndim)
+           for k in names]
+    w_ll, w_a, w_P = rng.normal(size=n), rng.normal(size=(n, m)), rng.normal(size=(n, m, m))
+    y, a0, P0, T, Z, R, H, Q = ins
+    res = kalman_filter(y, a0, P0, T=T, Z=Z, R=R, H=H, Q=Q)
+    ll_ref, a_ref, P_ref = kalman_textbook_loop(y, a0, P0, T, Z, R, H, Q)
+    values = [model[k] for k in names]
+    sym = ("P0", "H", "Q")  # the textbook loop reads H and Q raw
+    _compare_gradients(ins, names, res.loglik, ll_ref.sum(), values, sym_P0=True, sym_read=sym)
+    ours = (w_ll * res.loglik_obs).sum() + (w_a * res.predicted_state[1:]).sum() + (w_P * res.predicted_cov[1:]).sum()
+    ref = (w_ll * ll_ref).sum() + (w_a * a_ref).sum() + (w_P * P_ref).sum()
+    _compare_gradients(ins, names, ours, ref, values, sym_P0=False, sym_read=sym)
+
+
+@pytest.mark.parametrize("n", [60, 400])
+def test_gradient_of_every_output_matches_autodiff_of_scan(n):
+    """Cotangents on all eight outputs, with intercepts, against autodiff of :func:`scan_kalman_filter`."""
     rng = np.random.default_rng(7)
     m, p, r = 3, 2, 2
     model = random_model(rng, m, p, r, n, missing=False)
@@ -274,26 +334,9 @@ def test_gradient_matches_autodiff_of_scan(n):
     weights = _weights(rng, n, m, p)
     ins = symbolic_inputs(model)
     no_missing = np.zeros((n, p), dtype=bool)
-    for which in ("loglik_only", "all_outputs"):
-        ws = weights if which == "all_outputs" else [1.0] + [0.0] * 7
-        ours = _weighted_loss(kalman_filter(*ins), ws, no_missing) if which == "all_outputs" \
-            else kalman_filter(*ins).loglik
-        ref = _weighted_loss(scan_kalman_filter(*ins), ws, no_missing)
-        g_ours = pytensor.grad(ours, ins)
-        g_ref = pytensor.grad(ref, ins)
-        fn = pytensor.function(ins, [ours, ref, *g_ours, *g_ref], mode="FAST_RUN")
-        out = fn(*model_args(model))
-        assert_close(out[0], out[1], "value", rtol=1e-9)
-        k = len(ins)
-        for i, name in enumerate(("y", "a0", "P0", *NAMES)):
-            ours_i, ref_i = out[2 + i], out[2 + k + i]
-            if name == "P0":
-                # the filter reads P0 through sym(P0) (documented); the Scan uses its raw entries,
-                # so only the symmetric parts of the two gradients are the same quantity
-                if which == "loglik_only":
-                    np.testing.assert_array_equal(ours_i, ours_i.T)
-                ours_i, ref_i = 0.5 * (ours_i + ours_i.T), 0.5 * (ref_i + ref_i.T)
-            assert_close(ours_i, ref_i, f"{which}: d/d{name}", rtol=1e-7, atol=1e-8)
+    ours = _weighted_loss(kf(ins), weights, no_missing)
+    ref = _weighted_loss(scan_kalman_filter(*ins), weights, no_missing)
+    _compare_gradients(ins, ("y", "a0", "P0", *NAMES), ours, ref, model_args(model), sym_P0=False)
 
 
 def test_verify_grad_long_series_leaving_the_steady_state():
@@ -308,7 +351,7 @@ def test_verify_grad_long_series_leaving_the_steady_state():
 
     def f(*args):
         y = pt.where(missing, np.nan, args[0])
-        return _weighted_loss(kalman_filter(y, *args[1:]), weights, missing)
+        return _weighted_loss(kf([y, *args[1:]]), weights, missing)
 
     args = model_args(model)
     args[0] = np.nan_to_num(args[0])
@@ -320,7 +363,7 @@ def test_gradient_vs_statsmodels_finite_differences(mode):
     rng = np.random.default_rng(13)
     model = random_model(rng, 2, 2, 2, 8)
     ins = [pt.as_tensor(model[k]).type(name=k) for k in ("y", "a0", "P0", *NAMES)]
-    res = kalman_filter(*ins)
+    res = kf(ins)
     grads = pytensor.grad(res.loglik, ins[1:])
     fn = pytensor.function(ins, [res.loglik, *grads], mode=mode)
     out = fn(*model_args(model))
@@ -347,7 +390,7 @@ def test_gradient_wrt_y_zero_where_missing():
     rng = np.random.default_rng(2)
     model = random_model(rng, 2, 2, 2, 6)
     y = pt.matrix("y")
-    res = kalman_filter(y, *model_args(model)[1:])
+    res = kf([y, *model_args(model)[1:]])
     gy = pytensor.grad(res.loglik, y).eval({y: model["y"]})
     missing = np.isnan(model["y"])
     assert np.all(gy[missing] == 0) and np.all(np.isfinite(gy)) and np.all(gy[~missing] != 0)
@@ -364,7 +407,7 @@ def test_strided_inputs_and_cotangents():
     rng = np.random.default_rng(17)
     model = random_model(rng, 3, 2, 3, 40)
     ins = symbolic_inputs(model)
-    res = kalman_filter(*ins)
+    res = kf(ins)
     loss = res.loglik + (res.filtered_state[::2, ::-1] ** 2).sum()
     fn = pytensor.function(ins, [res.loglik, *pytensor.grad(loss, ins)])
     args = model_args(model)
@@ -387,13 +430,13 @@ def test_batched_matches_looped():
         mdl["Q"] = models[0]["Q"]
     ins_b = symbolic_inputs(stack, tv, batch=1)
     ins_b[-1] = pt.matrix("Q")
-    res_b = kalman_filter(*ins_b, time_varying=tv)
+    res_b = kf(ins_b, time_varying=tv)
     g_b = pytensor.grad(res_b.loglik.sum(), ins_b[1:])
-    fb = pytensor.function(ins_b, [*res_b, kalman_smoother(*ins_b, time_varying=tv).smoothed_state, *g_b])
+    fb = pytensor.function(ins_b, [*res_b, ks(ins_b, time_varying=tv).smoothed_state, *g_b])
     ins_1 = symbolic_inputs(models[0], tv)
-    res_1 = kalman_filter(*ins_1, time_varying=tv)
+    res_1 = kf(ins_1, time_varying=tv)
     g_1 = pytensor.grad(res_1.loglik, ins_1[1:])
-    f1 = pytensor.function(ins_1, [*res_1, kalman_smoother(*ins_1, time_varying=tv).smoothed_state, *g_1])
+    f1 = pytensor.function(ins_1, [*res_1, ks(ins_1, time_varying=tv).smoothed_state, *g_1])
     out_b = fb(*model_args(stack))
     looped = [f1(*model_args(mdl)) for mdl in models]
     for j, ob in enumerate(out_b):
@@ -413,7 +456,7 @@ def test_non_pd_innovation_covariance_gives_minus_inf():
     model = random_model(rng, 2, 2, 2, 5, missing=False)
     model["H"] = -10 * np.eye(2)
     y = pt.matrix("y")
-    res = kalman_filter(y, *model_args(model)[1:])
+    res = kf([y, *model_args(model)[1:]])
     g = pytensor.grad(res.loglik, y)
     ll, llo, gy = pytensor.function([y], [res.loglik, res.loglik_obs, g])(model["y"])
     assert ll == -np.inf and llo[0] == -np.inf and np.all(np.isnan(gy))
@@ -422,19 +465,19 @@ def test_non_pd_innovation_covariance_gives_minus_inf():
 def test_empty_series():
     rng = np.random.default_rng(0)
     model = random_model(rng, 2, 1, 1, 0, missing=False)
-    res = kalman_filter(*model_args(model))
+    res = kf(model_args(model))
     out = pytensor.function([], list(res))()
     assert out[0] == 0.0
     assert out[2].shape == (0, 2) and out[5].shape == (1, 2, 2)
     np.testing.assert_array_equal(out[4][0], model["a0"])
-    a_s, _ = kalman_smoother(*model_args(model))
+    a_s, _ = ks(model_args(model))
     assert a_s.eval().shape == (0, 2)
 
 
 def test_float32_in_float32_out():
     rng = np.random.default_rng(0)
     model = {k: v.astype("float32") for k, v in random_model(rng, 2, 1, 1, 6).items()}
-    res = kalman_filter(*model_args(model))
+    res = kf(model_args(model))
     assert all(o.dtype == "float32" for o in res)
     expected = statsmodels_results({k: v.astype("float64") for k, v in model.items()}).llf
     np.testing.assert_allclose(res.loglik.eval(), expected, rtol=1e-5)
@@ -446,7 +489,7 @@ def test_smoother_gradient_raises():
     T = pt.matrix("T")
     args = model_args(model)
     args[5] = T
-    a_s, _ = kalman_smoother(*args)
+    a_s, _ = ks(args)
     with pytest.raises(NullTypeGradError, match="not implemented"):
         pytensor.grad(a_s.sum(), T)
 
@@ -457,7 +500,7 @@ def test_second_derivative_raises():
     T = pt.matrix("T")
     args = model_args(model)
     args[5] = T
-    g = pytensor.grad(kalman_filter(*args).loglik, T)
+    g = pytensor.grad(kf(args).loglik, T)
     with pytest.raises(NullTypeGradError, match="second derivatives"):
         pytensor.grad(g.sum(), T)
 
@@ -485,16 +528,48 @@ def test_bad_inputs(change, match):
     kwargs = {"time_varying": change.pop("time_varying", ())}
     model.update(change)
     with pytest.raises(ValueError, match=match):
-        kalman_filter(*model_args(model), **kwargs)
+        kf(model_args(model), **kwargs)
     with pytest.raises(ValueError, match=match):
-        kalman_smoother(*model_args(model), **kwargs)
+        ks(model_args(model), **kwargs)
+
+
+@pytest.mark.parametrize("func", [kalman_filter, kalman_smoother])
+def test_system_matrices_are_keyword_only(func):
+    """Swapping H and Q (or c and d) with matching shapes changes the result without an error,
+    so a positional call of the system matrices is refused, with a message saying what to do."""
+    model = random_model(np.random.default_rng(0), 2, 2, 2, 5)
+    with pytest.raises(TypeError, match=r"system matrices by keyword only: .*\(y, a0, P0, c=\.\.\., d=\.\.\."):
+        func(*model_args(model))
+    with pytest.raises(TypeError, match="by keyword only"):
+        func(model["y"], model["a0"], model["P0"], model["c"], d=model["d"], T=model["T"], Z=model["Z"],
+             R=model["R"], H=model["H"], Q=model["Q"])
+    with pytest.raises(TypeError, match="'Q'"):  # the required system matrices have no default
+        func(model["y"], model["a0"], model["P0"], T=model["T"], Z=model["Z"], R=model["R"], H=model["H"])
+    params = inspect.signature(func).parameters
+    assert [k for k, v in params.items() if v.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD] == ["y", "a0", "P0"]
+    assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in NAMES)
+
+
+def test_intercepts_default_to_zeros():
+    """Omitted c and d are zeros: statsmodels with zero intercepts (it defaults to zeros too)."""
+    model = random_model(np.random.default_rng(4), 3, 2, 2, 9)
+    model["c"], model["d"] = np.zeros(3), np.zeros(2)
+    system = {k: model[k] for k in ("T", "Z", "R", "H", "Q")}
+    res = kalman_filter(model["y"], model["a0"], model["P0"], **system)
+    sm = kalman_smoother(model["y"], model["a0"], model["P0"], **system)
+    expected = sm_outputs(statsmodels_results(model))
+    out = pytensor.function([], [*res, sm.smoothed_state])()
+    for name, value in zip([*FIELDS, "smoothed_state"], out):
+        assert_close(value, expected[name], name)
+    with pytest.raises(ValueError, match="time_varying names 'c' but c was not given"):
+        kalman_filter(model["y"], model["a0"], model["P0"], time_varying=("c",), **system)
 
 
 def test_run_time_shape_mismatch_raises():
     rng = np.random.default_rng(0)
     model = random_model(rng, 2, 2, 1, 5, missing=False)
     ins = symbolic_inputs(model, ("T",))
-    fn = pytensor.function(ins, kalman_filter(*ins, time_varying=("T",)).loglik)
+    fn = pytensor.function(ins, kf(ins, time_varying=("T",)).loglik)
     args = model_args(model)
     args[5] = np.stack([model["T"]] * 4)  # 4 != n_time = 5, unknown at build time
     with pytest.raises(ValueError, match="inconsistent input shapes"):

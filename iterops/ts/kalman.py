@@ -126,6 +126,7 @@ this module
 
 from __future__ import annotations
 
+from functools import wraps
 from typing import NamedTuple
 
 import numba
@@ -458,11 +459,20 @@ def _normalize_time_varying(func, time_varying):
 
 
 def _prepare_inputs(func, y, a0, P0, c, d, T, Z, R, H, Q, time_varying):
-    """Validate at graph-build time; return float64 core-ready inputs, tv flags and the output dtype."""
+    """Validate at graph-build time; return float64 core-ready inputs, tv flags and the output dtype.
+
+    ``c`` / ``d`` may be None: zeros of length m / p (static, so ``time_varying`` may not name them)."""
     tv = _normalize_time_varying(func, time_varying)
     y = as_tensor(func, "y", y, min_ndim=2)
     a0 = as_tensor(func, "a0", a0, min_ndim=1)
     P0 = as_tensor(func, "P0", P0, min_ndim=2)
+    for name, x, is_tv in zip(("c", "d"), (c, d), tv[:2]):
+        if x is None and is_tv:
+            raise ValueError(f"{func}: time_varying names {name!r} but {name} was not given (it defaults to zeros)")
+    if c is None:
+        c = pt.zeros(a0.shape[-1:], dtype=a0.type.dtype)
+    if d is None:
+        d = pt.zeros(y.shape[-1:], dtype=y.type.dtype)
     mats = {}
     for name, x, is_tv in zip(SYSTEM_NAMES, (c, d, T, Z, R, H, Q), tv):
         nd = _CORE_NDIM[name] + is_tv
@@ -529,8 +539,29 @@ def apply_kalman_op(func, op_type, args, time_varying, cov_jitter, missing_value
     return outs
 
 
+def system_by_keyword(func):
+    """Decorator of the public Kalman functions: ``y, a0, P0`` positional, the system matrices by
+    keyword only.  A positional call of the system matrices raises a ``TypeError`` that says so
+    (swapping ``H`` and ``Q`` or ``c`` and ``d`` with matching shapes would otherwise give a
+    different log-likelihood without any error)."""
+
+    @wraps(func)
+    def call(*args, **kwargs):
+        if len(args) > 3:
+            raise TypeError(
+                f"{func.__name__}() takes y, a0, P0 positionally and the system matrices by keyword only: "
+                f"{func.__name__}(y, a0, P0, c=..., d=..., T=..., Z=..., R=..., H=..., Q=...); "
+                f"got {len(args)} positional arguments"
+            )
+        return func(*args, **kwargs)
+
+    return call
+
+
+@system_by_keyword
 def kalman_filter(
-    y, a0, P0, c, d, T, Z, R, H, Q, *,
+    y, a0, P0, *,
+    c=None, d=None, T, Z, R, H, Q,
     time_varying=(),
     cov_jitter: float = 0.0,
     missing_value: float | None = None,
@@ -548,8 +579,11 @@ def kalman_filter(
         Mean and covariance of alpha_1 (known initialization; see :func:`stationary_cov`).
     c : (..., m), d : (..., p), T : (..., m, m), Z : (..., p, m), R : (..., m, r),
     H : (..., p, p), Q : (..., r, r)
-        System matrices.  A name listed in ``time_varying`` carries an extra time
-        axis of length ``n`` right before its core dimensions, e.g. ``T`` (..., n, m, m).
+        System matrices, **keyword-only** (a positional call raises ``TypeError``: with
+        matching shapes, swapped ``H``/``Q`` or ``c``/``d`` would silently change the result).
+        ``c`` and ``d`` default to zeros (no intercepts); the others are required.  A name
+        listed in ``time_varying`` carries an extra time axis of length ``n`` right before
+        its core dimensions, e.g. ``T`` (..., n, m, m).
     time_varying : iterable of {"c", "d", "T", "Z", "R", "H", "Q"}
         Which system matrices vary over time (explicit; shapes are not guessed).
     cov_jitter : float
@@ -572,8 +606,8 @@ def kalman_filter(
     --------
     >>> import numpy as np, iterops
     >>> y = np.array([[1.0], [np.nan], [0.5]])
-    >>> res = iterops.ts.kalman_filter(y, [0.0], [[1.0]], [0.0], [0.0], [[1.0]], [[1.0]],
-    ...                                [[1.0]], [[1.0]], [[0.5]])
+    >>> res = iterops.ts.kalman_filter(y, [0.0], [[1.0]], T=[[1.0]], Z=[[1.0]], R=[[1.0]],
+    ...                                H=[[1.0]], Q=[[0.5]])
     >>> round(float(res.loglik.eval()), 6)  # statsmodels' KalmanFilter llf: -2.892596
     -2.892596
     """

@@ -43,7 +43,7 @@ from iterops.ts._kalman_steps import (
 )
 from iterops.ts.kalman import (
     F64, I64, I64P, IN_SIG, KalmanOpBase, apply_kalman_op, check_shapes, contiguous, input_sizes,
-    inputs_from_pointers,
+    inputs_from_pointers, system_by_keyword,
 )
 
 __all__ = ["kalman_smoother", "KalmanSmootherResult", "KalmanSmoother", "kalman_smoother_kernel"]
@@ -183,22 +183,25 @@ class KalmanSmoother(KalmanOpBase):
         ]
 
 
+@system_by_keyword
 def kalman_smoother(
-    y, a0, P0, c, d, T, Z, R, H, Q, *,
+    y, a0, P0, *,
+    c=None, d=None, T, Z, R, H, Q,
     time_varying=(),
     cov_jitter: float = 0.0,
     missing_value: float | None = None,
 ) -> KalmanSmootherResult:
     """Smoothed states ``(..., n, m)`` and covariances ``(..., n, m, m)``.
 
-    Arguments, shapes, batching and options exactly as :func:`iterops.ts.kalman_filter`.
+    Arguments, shapes, batching and options exactly as :func:`iterops.ts.kalman_filter`: ``y, a0, P0``
+    positional, the system matrices by keyword only (``c`` and ``d`` default to zeros).
     Not differentiable (asking for its gradient raises ``NullTypeGradError``).
 
     Examples
     --------
     >>> import numpy as np, iterops
-    >>> res = iterops.ts.kalman_smoother(np.array([[1.0], [np.nan], [0.5]]), [0.0], [[1.0]], [0.0], [0.0],
-    ...                                  [[1.0]], [[1.0]], [[1.0]], [[1.0]], [[0.5]])
+    >>> res = iterops.ts.kalman_smoother(np.array([[1.0], [np.nan], [0.5]]), [0.0], [[1.0]],
+    ...                                  T=[[1.0]], Z=[[1.0]], R=[[1.0]], H=[[1.0]], Q=[[0.5]])
     >>> res.smoothed_state.eval().round(4).ravel()  # = statsmodels' KalmanSmoother
     array([0.5, 0.5, 0.5])
     """

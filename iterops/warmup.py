@@ -1,0 +1,145 @@
+"""Compile every iterops kernel into Numba's on-disk cache, ahead of first use.
+
+    python -m iterops.warmup                 # float64 kernels (what PyMC models use)
+    python -m iterops.warmup --all-dtypes    # also the float32 / complex variants
+
+iterops' kernels are compiled by Numba once per machine (and again after an upgrade of iterops
+or Numba) and cached on disk (see :func:`iterops._fused.kernel_cache_dir`; ``NUMBA_CACHE_DIR``
+overrides it).  Without this command that one-off cost falls on the first model a user compiles;
+with it, deployments (CI images, cluster nodes, ``scripts/dev setup``) pay it once, up front, and
+every later process finds the kernels cached: a new graph then compiles in about a second.
+
+Two steps: every C-ABI kernel (:data:`iterops._fused.OPAQUE_KERNELS`: the Kalman filter, its
+adjoint and smoother, the Lyapunov solvers and iterations), then one small graph per public
+function with its gradient, run once in PyTensor's default (Numba) mode, which compiles and caches
+the directly-called kernels (Levinson, block-diagonal, Toeplitz, AR maps) and their helpers.
+Running it again is cheap: everything loads from the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+__all__ = ["warm_kernels", "warm_graphs", "main"]
+
+
+def warm_kernels(all_dtypes: bool = False, log=print) -> list[tuple[str, float, bool]]:
+    """Compile (or load) every :class:`iterops._fused.OpaqueKernel`; ``[(name, seconds, was_cached)]``."""
+    import iterops  # noqa: F401  (defines every kernel)
+    from iterops._fused import OPAQUE_KERNELS
+
+    done = []
+    for kernel in OPAQUE_KERNELS:
+        if not (all_dtypes or kernel.float64_only):
+            continue
+        cached = kernel.is_cached()
+        t0 = time.perf_counter()
+        kernel.external  # noqa: B018  (compiles, or loads from the cache, and registers the symbol)
+        dt = time.perf_counter() - t0
+        done.append((kernel.name, dt, cached))
+        log(f"  {kernel.name}: {'loaded from cache' if cached else 'compiled'} in {dt:.1f} s")
+    return done
+
+
+def _graphs(dtype: str):
+    """``[(name, inputs, outputs, values)]``: each public function and its gradient, small sizes."""
+    import numpy as np
+    import pytensor
+    import pytensor.tensor as pt
+
+    import iterops
+    from iterops.ts.levinson_recursion import levinson_recursion
+
+    def grads(cost, ins):
+        return pytensor.grad(cost, ins)
+
+    out = []
+    A, Q = pt.matrix("A", dtype=dtype), pt.matrix("Q", dtype=dtype)
+    X = iterops.solve_discrete_lyapunov(A, Q)
+    out.append(("solve_discrete_lyapunov", [A, Q], [X, *grads(X.sum(), [A, Q])],
+                [np.array([[0.5, 0.1], [0.0, 0.3]]), np.eye(2)]))
+
+    blocks = pt.tensor3("blocks", dtype=dtype)
+    B = iterops.block_diag(blocks)
+    out.append(("block_diag", [blocks], [B, *grads((B**2).sum(), [blocks])], [np.ones((2, 2, 2))]))
+
+    names = ("y", "a0", "P0", "T", "Z", "R", "H", "Q")
+    ins = [pt.tensor(k, dtype=dtype, shape=(None,) * (1 if k == "a0" else 2)) for k in names]
+    y, a0, P0, T, Z, R, H, Qk = ins
+    res = iterops.kalman_filter(y, a0, P0, c=pt.zeros(2, dtype=dtype), d=pt.zeros(1, dtype=dtype),
+                                T=T, Z=Z, R=R, H=H, Q=Qk)
+    sm = iterops.kalman_smoother(y, a0, P0, T=T, Z=Z, R=R, H=H, Q=Qk)
+    vals = [np.array([[1.0], [np.nan], [0.5]]), np.zeros(2), np.eye(2), 0.5 * np.eye(2), np.ones((1, 2)),
+            np.eye(2), np.eye(1), np.eye(2)]
+    out.append(("kalman_filter, kalman_smoother", ins,
+                [res.loglik, sm.smoothed_state, *grads(res.loglik + res.filtered_state.sum(), ins[1:])], vals))
+
+    c, b = pt.vector("c", dtype=dtype), pt.vector("b", dtype=dtype)
+    x = iterops.solve_toeplitz(c, b)
+    out.append(("solve_toeplitz", [c, b], [x, *grads(x.sum(), [c, b])], [np.array([2.0, 0.5, 0.1]), np.ones(3)]))
+
+    acov = pt.vector("acov", dtype=dtype)
+    ld = iterops.levinson_durbin(acov, 2)
+    phi, sigma2 = iterops.yule_walker(acov, 2)
+    lr = levinson_recursion(acov, 2)
+    cost = sum(v.sum() for v in (*ld, phi, sigma2, *lr))
+    out.append(("levinson_durbin, yule_walker, levinson_recursion", [acov], [cost, *grads(cost, [acov])],
+                [np.array([1.0, 0.5, 0.2])]))
+
+    series = pt.vector("x", dtype=dtype)
+    ac = iterops.acovf(series, 2)
+    out.append(("acovf", [series], [ac, *grads(ac.sum(), [series])], [np.array([1.0, 2.0, 0.5, -1.0])]))
+
+    pacf, s2 = pt.vector("pacf", dtype=dtype), pt.scalar("sigma2", dtype=dtype)
+    ar = iterops.pacf_to_ar(pacf)
+    back = iterops.ar_to_pacf(ar)
+    acv = iterops.ar_to_acov(ar, s2, 3)
+    cost = ar.sum() + back.sum() + acv.sum()
+    out.append(("pacf_to_ar, ar_to_pacf, ar_to_acov", [pacf, s2], [cost, *grads(cost, [pacf, s2])],
+                [np.array([0.5, -0.2]), np.array(1.0)]))
+    return [(name, i, o, [np.asarray(v, dtype=dtype) for v in vs]) for name, i, o, vs in out]
+
+
+def warm_graphs(dtype: str = "float64", log=print) -> list[tuple[str, float]]:
+    """Compile and run one small graph per public function (values and gradients) in the default mode."""
+    import pytensor
+
+    done = []
+    for name, ins, outs, values in _graphs(dtype):
+        t0 = time.perf_counter()
+        pytensor.function(ins, outs)(*values)
+        dt = time.perf_counter() - t0
+        done.append((name, dt))
+        log(f"  {name} ({dtype}): {dt:.1f} s")
+    return done
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m iterops.warmup", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--all-dtypes", action="store_true",
+                        help="also the float32 and complex kernel variants (default: float64 only)")
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, flush=True))
+
+    import logging
+
+    logging.getLogger("iterops").setLevel(logging.ERROR)  # this command says it itself
+    from iterops._fused import kernel_cache_dir
+    import numba
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    log(f"iterops warm-up: Numba cache in {numba.core.config.CACHE_DIR or kernel_cache_dir()}")
+    log("C-ABI kernels:")
+    warm_kernels(args.all_dtypes, log)
+    log("graphs (each public function with its gradient):")
+    for dtype in ("float64", "float32") if args.all_dtypes else ("float64",):
+        warm_graphs(dtype, log)
+    log(f"done in {time.perf_counter() - t0:.0f} s ({time.process_time() - c0:.0f} CPU s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""What a user sees the first time iterops' kernels compile on a machine: one line, once per process,
+and nothing once the kernels are in the on-disk cache."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+_KERNELS = '''
+import numba
+from iterops._fused import OpaqueKernel
+
+def _twice(x):
+    return 2.0 * x
+
+def _thrice(x):
+    return 3.0 * x
+
+TWICE = OpaqueKernel(numba.types.float64(numba.types.float64), _twice)
+THRICE = OpaqueKernel(numba.types.float64(numba.types.float64), _thrice)
+'''
+
+_RUN = '''
+import numba
+import iterops
+from first_use_kernels import THRICE, TWICE
+
+print("cached before:", TWICE.is_cached(), THRICE.is_cached())
+twice, thrice = TWICE.external, THRICE.external
+
+@numba.njit
+def call(x):
+    return twice(x) + thrice(x)
+
+print("value:", call(1.0))
+print("cached after:", TWICE.is_cached(), THRICE.is_cached())
+'''
+
+
+def _run(tmp_path):
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", _RUN], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    return out.stdout, [line for line in out.stderr.splitlines() if line.startswith("iterops:")]
+
+
+def test_first_compile_is_announced_once_and_cached_kernels_are_silent(tmp_path):
+    (tmp_path / "first_use_kernels.py").write_text(textwrap.dedent(_KERNELS))
+    stdout, said = _run(tmp_path)
+    assert "cached before: False False" in stdout and "value: 5.0" in stdout
+    assert "cached after: True True" in stdout
+    assert len(said) == 1, said  # two kernels compiled, one line
+    assert "compiling Numba kernels for first use" in said[0] and "python -m iterops.warmup" in said[0]
+    assert str(tmp_path / "cache") in said[0]  # says where the cache is
+
+    stdout, said = _run(tmp_path)  # a new process: the kernels load from the cache, nothing is said
+    assert "cached before: True True" in stdout and "value: 5.0" in stdout
+    assert said == []
