@@ -273,9 +273,16 @@ CASES = {
     "kalman_filter_time_varying": _case_kalman(tv=("c", "T", "Z", "H", "Q")),
     "kalman_smoother": _case_kalman_smoother,
 }
+#: in the default run (the others, which compile larger gradient graphs twice, run with ``-m slow``)
+DEFAULT_CASES = {
+    "lyapunov_auto", "smith_doubling_loop_symbolic_steps", "fixed_point_loop", "block_diag", "solve_toeplitz",
+    "levinson_recursion", "pacf_to_ar", "kalman_filter_missing_jitter", "kalman_smoother",
+}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    "case", [c if c in DEFAULT_CASES else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
+)
 def test_op_and_gradients_equal_numba(case, rng):
     inputs, outputs, values, wrt = CASES[case](rng)
     if wrt == []:  # values only
@@ -291,14 +298,23 @@ def test_kalman_failure_is_minus_inf_and_nan_gradient(rng):
     vals[8] = -50.0 * np.eye(2)  # H: F not positive definite from the first step
     syms = [_tensor(nm, v) for nm, v in zip(KALMAN_NAMES, vals)]
     res = iterops.kalman_filter(*syms)
-    f = pytensor.function(syms, [res.loglik, res.filtered_state, *pytensor.grad(res.loglik, syms)], mode="JAX")
-    out = f(*vals)
-    assert out[0] == -np.inf
-    assert np.all(np.isnan(out[1]))
-    assert all(np.all(np.isnan(g)) for g in out[2:])
-    fn, _ = _jaxify(syms, [res.loglik])
+    fn, _ = _jaxify(syms, [res.loglik, res.filtered_state])
+    ll, filtered = fn(*vals)
+    assert ll == -np.inf and np.all(np.isnan(filtered))
     g = jax.grad(lambda T: fn(*vals[:5], T, *vals[6:])[0])(jnp.asarray(vals[5]))
     assert np.all(np.isnan(g))
+
+
+@pytest.mark.slow
+def test_kalman_failure_through_pytensor_gradient_graph(rng):
+    vals = _kalman_values(rng)
+    vals[8] = -50.0 * np.eye(2)
+    syms = [_tensor(nm, v) for nm, v in zip(KALMAN_NAMES, vals)]
+    res = iterops.kalman_filter(*syms)
+    f = pytensor.function(syms, [res.loglik, *pytensor.grad(res.loglik, syms)], mode="JAX")
+    out = f(*vals)
+    assert out[0] == -np.inf
+    assert all(np.all(np.isnan(g)) for g in out[1:])
 
 
 def test_failure_values():
@@ -325,20 +341,33 @@ def test_failure_values():
 # ---------------------------------------------------------------------------
 
 
-def test_batched_ops_equal_numba(rng):
-    """Blockwise under JAX (PyTensor vectorizes the core JAX function) == Numba, with broadcasting."""
+def _check_batched(rng, with_kalman):
     A = np.stack([_stable(rng, 3, r) for r in (0.3, 0.8, 0.99)])
     Q = _spd(rng, 3)
     Kp = np.array([[0.5, -0.3], [0.9, 0.1]])
-    vals = _kalman_values(rng)
-    ys = np.stack([vals[0], vals[0][::-1]])
-    a, q, k, y = _tensor("A", A), _tensor("Q", Q), _tensor("pacf", Kp), _tensor("y", ys)
-    kal = iterops.kalman_filter(y, *vals[1:])
-    outs = [iterops.solve_discrete_lyapunov(a, q), iterops.pacf_to_ar(k), kal.loglik, kal.filtered_cov]
-    grads = pytensor.grad(_cost(outs, rng), [a, k, y])
-    f_n, f_j = pytensor.function([a, q, k, y], outs + grads), pytensor.function([a, q, k, y], outs + grads, mode="JAX")
-    for i, (g, e) in enumerate(zip(f_j(A, Q, Kp, ys), f_n(A, Q, Kp, ys))):
+    a, q, k = _tensor("A", A), _tensor("Q", Q), _tensor("pacf", Kp)
+    inputs, values, wrt = [a, q, k], [A, Q, Kp], [a, k]
+    outs = [iterops.solve_discrete_lyapunov(a, q), iterops.pacf_to_ar(k)]
+    if with_kalman:
+        vals = _kalman_values(rng)
+        ys = np.stack([vals[0], vals[0][::-1]])
+        y = _tensor("y", ys)
+        kal = iterops.kalman_filter(y, *vals[1:])
+        inputs, values, wrt, outs = inputs + [y], values + [ys], wrt + [y], outs + [kal.loglik, kal.filtered_cov]
+    grads = pytensor.grad(_cost(outs, rng), wrt)
+    f_n, f_j = pytensor.function(inputs, outs + grads), pytensor.function(inputs, outs + grads, mode="JAX")
+    for i, (g, e) in enumerate(zip(f_j(*values), f_n(*values))):
         _close(g, e, what=f"batched output {i}")
+
+
+def test_batched_ops_equal_numba(rng):
+    """Blockwise under JAX (PyTensor vectorizes the core JAX function) == Numba, with broadcasting."""
+    _check_batched(rng, with_kalman=False)
+
+
+@pytest.mark.slow
+def test_batched_kalman_equal_numba(rng):
+    _check_batched(rng, with_kalman=True)
 
 
 def test_jit_vmap_lyapunov_against_scipy(rng):
@@ -429,8 +458,9 @@ def test_kalman_against_dynamax(rng):
     ours = jax.jit(jkalman.kalman_filter)(*vals)
     theirs = jax.jit(lambda vs: lgssm_filter(_dynamax_params(vs), vs[0]))(vals)
     np.testing.assert_allclose(ours[0], theirs.marginal_loglik, rtol=1e-9)  # tfp MVN arithmetic
-    np.testing.assert_allclose(ours[2], theirs.filtered_means, rtol=1e-8, atol=1e-9)
-    np.testing.assert_allclose(ours[3], theirs.filtered_covariances, rtol=1e-8, atol=1e-9)
+    # dynamax's update arithmetic (its own symmetric solves) differs from statsmodels' at ~1e-9
+    np.testing.assert_allclose(ours[2], theirs.filtered_means, rtol=1e-7, atol=1e-8)
+    np.testing.assert_allclose(ours[3], theirs.filtered_covariances, rtol=1e-7, atol=1e-8)
     # gradient of the log-likelihood in the transition matrix: our adjoint vs dynamax's autodiff
     g_ours = jax.grad(lambda T: jkalman.kalman_filter(*vals[:5], T, *vals[6:])[0])(vals[5])
     g_theirs = jax.grad(
@@ -530,23 +560,28 @@ def _sample(model, sampler, draws=30):
     return idata
 
 
-def test_numpyro_samples_the_ar2_demo_model():
-    _, infl = demo.load_inflation()
-    model = demo.ar2_noise_model(infl[:60])  # solve_discrete_lyapunov + kalman_filter
+def test_numpyro_samples_the_nile_demo_model():
+    _, nile = demo.load_nile()
+    model = demo.local_level_model(nile)
     _logp_and_grad_agree(model)
-    _sample(model, "numpyro")
+    _sample(model, "numpyro", draws=10)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sampler", ["numpyro", "blackjax"])
-@pytest.mark.parametrize("which", ["nile", "ar2_scan_fused", "pymc_extras"])
+@pytest.mark.parametrize("which", ["nile", "ar2", "ar2_scan", "pymc_extras"])
 def test_jax_samplers_on_demo_models(which, sampler):
-    years, nile = demo.load_nile()
+    _, nile = demo.load_nile()
     _, infl = demo.load_inflation()
     model = {
         "nile": lambda: demo.local_level_model(nile),
-        "ar2_scan_fused": lambda: demo.ar2_noise_model(infl[:80], impl="scan"),
+        "ar2": lambda: demo.ar2_noise_model(infl[:80]),  # solve_discrete_lyapunov + kalman_filter
+        "ar2_scan": lambda: demo.ar2_noise_model(infl[:80], impl="scan"),  # the Scan version, as users write it
         "pymc_extras": lambda: demo.pymc_extras_local_linear_trend_model(nile[:, None]),
     }[which]()
+    if which == "pymc_extras":  # its Kalman filter Scan is fused in the graph the JAX samplers run
+        _, fgraph = _jaxify(model.value_vars, [model.logp()])
+        ops = [type(getattr(node.op, "core_op", node.op)) for node in fgraph.toposort()]
+        assert KalmanFilter in ops and Scan not in ops
     _logp_and_grad_agree(model)
     _sample(model, sampler, draws=50)
