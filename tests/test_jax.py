@@ -126,6 +126,29 @@ def _spd(rng, m):
 # ---------------------------------------------------------------------------
 
 
+def _fused_op_classes():
+    from iterops._fused import FusedOp
+
+    todo, found = [FusedOp], set()
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            todo.append(sub)
+            if "__props__" in vars(sub) or hasattr(sub, "gufunc_signature"):
+                found.add(sub)
+    return sorted(found, key=lambda c: c.__name__)
+
+
+def test_every_fused_op_has_a_jax_implementation():
+    """A new Op without a JAX implementation fails here (PyTensor would say 'No JAX conversion')."""
+    from pytensor.link.jax.dispatch.basic import jax_funcify as base
+
+    default = base.dispatch(object)
+    classes = [c for c in _fused_op_classes() if getattr(c, "gufunc_signature", None) and c.__name__[0] != "_"]
+    assert len(classes) >= 18, [c.__name__ for c in classes]
+    missing = [c.__name__ for c in classes if jax_funcify.dispatch(c) is default]
+    assert not missing, missing
+
+
 def _case_lyapunov(method):
     def build(rng):
         A, Q = _stable(rng, 3), _spd(rng, 3)

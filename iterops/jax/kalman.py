@@ -54,6 +54,8 @@ __all__ = ["KalmanOptions", "kalman_filter", "kalman_filter_vjp", "kalman_smooth
 
 LOG_2PI = float(np.log(2.0 * np.pi))
 SYSTEM_NAMES = ("c", "d", "T", "Z", "R", "H", "Q")
+#: time steps per iteration of the compiled loop (fewer loop-carried round trips on CPU)
+_UNROLL = 1
 
 
 class KalmanOptions(NamedTuple):
@@ -102,6 +104,39 @@ class _Update(NamedTuple):
     M: jax.Array  # (m, p) S Z_o^T
 
 
+#: up to this many observables, the Cholesky factor and its solves are unrolled element operations (a
+#: LAPACK call per time step costs more than the arithmetic of a small matrix)
+_SMALL_P = 4
+
+
+def _chol(F):
+    """Lower Cholesky factor (NaN where not positive definite)."""
+    p = F.shape[0]
+    if p > _SMALL_P:
+        return jnp.linalg.cholesky(F)
+    L = [[jnp.zeros((), F.dtype)] * p for _ in range(p)]
+    for j in range(p):
+        s = F[j, j] - sum((L[j][k] * L[j][k] for k in range(j)), jnp.zeros((), F.dtype))
+        L[j][j] = jnp.sqrt(s)
+        for i in range(j + 1, p):
+            t = F[i, j] - sum((L[i][k] * L[j][k] for k in range(j)), jnp.zeros((), F.dtype))
+            L[i][j] = t / L[j][j]
+    return jnp.stack([jnp.stack(row) for row in L])
+
+
+def _cho_solve(L, b):
+    """``(L L^T)^{-1} b`` for ``b`` of shape (p,) or (p, k) (forward then backward substitution)."""
+    p = L.shape[0]
+    if p > _SMALL_P:
+        return jax.scipy.linalg.cho_solve((L, True), b)
+    x = [None] * p
+    for i in range(p):
+        x[i] = (b[i] - sum((L[i, k] * x[k] for k in range(i)), jnp.zeros_like(b[i]))) / L[i, i]
+    for i in range(p - 1, -1, -1):
+        x[i] = (x[i] - sum((L[k, i] * x[k] for k in range(i + 1, p)), jnp.zeros_like(b[i]))) / L[i, i]
+    return jnp.stack(x)
+
+
 def _update(a, P, yt, d, Z, H, opts):
     """The measurement update of one step (before the likelihood), masked for missing components."""
     p = yt.shape[0]
@@ -119,18 +154,18 @@ def _update(a, P, yt, d, Z, H, opts):
     both = obs[:, None] & obs[None, :]
     Foo = jnp.where(both, F, eye_p)
     ok = jnp.all(jnp.isfinite(Foo))
-    L = jnp.linalg.cholesky(jnp.where(ok, Foo, eye_p))
+    L = _chol(jnp.where(ok, Foo, eye_p))
     ok = ok & jnp.all(jnp.isfinite(L)) & jnp.all(jnp.diagonal(L) > 0.0)
     L = jnp.where(ok, L, eye_p)
     M = jnp.where(obs[None, :], PZ, 0.0)
-    K = jax.scipy.linalg.cho_solve((L, True), M.T).T
+    K = _cho_solve(L, M.T).T
     Zo = jnp.where(obs[:, None], Z, 0.0)
     return _Update(obs, v, vo, F, L, ok, K, Zo, S, M)
 
 
 def _loglik(u):
     k = jnp.sum(u.obs)
-    w = jax.scipy.linalg.cho_solve((u.L, True), u.vo)
+    w = _cho_solve(u.L, u.vo)
     logdet = 2.0 * jnp.sum(jnp.log(jnp.diagonal(u.L)))
     return -0.5 * (k * LOG_2PI + logdet + u.vo @ w), w
 
@@ -164,7 +199,9 @@ def _filter_scan(y, a0, P0, system, opts):
         af, Pf, a_next, P_next = (jnp.where(dead, nan, x) for x in (af, Pf, a_next, P_next))
         return (a_next, P_next, dead), (ll, af, Pf, a_next, P_next, v, F)
 
-    (_, _, failed), (llo, af, Pf, ap, Pp, v, F) = lax.scan(step, (a0, P0, jnp.bool_(False)), (y, tv), length=n)
+    (_, _, failed), (llo, af, Pf, ap, Pp, v, F) = lax.scan(
+        step, (a0, P0, jnp.bool_(False)), (y, tv), length=n, unroll=_UNROLL
+    )
     ap = jnp.concatenate([a0[None], ap], axis=0)
     Pp = jnp.concatenate([P0[None], Pp], axis=0)
     total = jnp.where(failed, -jnp.inf, jnp.sum(jnp.where(failed, 0.0, llo)))
@@ -232,7 +269,7 @@ def kalman_smoother(y, a0, P0, c, d, T, Z, R, H, Q, options=KalmanOptions()):
         T, Z, H, d = st["T"], st["Z"], st["H"], st["d"]
         u = _update(a, P, yt, d, Z, H, options)
         _, w = _loglik(u)
-        Finv = jax.scipy.linalg.cho_solve((u.L, True), jnp.eye(yt.shape[0]))
+        Finv = _cho_solve(u.L, jnp.eye(yt.shape[0]))
         Lt = T @ (eye_m - u.K @ u.Zo)
         r = u.Zo.T @ w + Lt.T @ r
         N = _sym(Lt.T @ (N @ Lt) + u.Zo.T @ (Finv @ u.Zo))
