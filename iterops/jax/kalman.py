@@ -16,7 +16,9 @@ components are masked instead of dropped: ``F_oo`` is ``F`` with the missing row
 those of the identity (its Cholesky factor is then ``chol(F_oo)`` on the observed block and the identity
 elsewhere, with the same determinant), ``v_o`` and the missing rows of ``Z_o`` are zero.  That is exactly
 "drop the missing components" (pymc-extras' masking), so the values are those of the Numba kernel to
-rounding.  Symmetric matrices are computed on the upper triangle and mirrored, as the kernels do.  The
+rounding.  Symmetric matrices are computed on the upper triangle and mirrored, as the kernels do.  For up
+to 4 observables the Cholesky factor of ``F_oo`` and its solves are unrolled element operations (a LAPACK
+call per time step costs more than a small matrix's arithmetic).  The
 steady-state shortcut of the Numba kernel (freezing ``P`` once converged to ``1e-14``) is not taken: the
 full recursion runs, which changes results only at that relative level.
 
@@ -54,8 +56,6 @@ __all__ = ["KalmanOptions", "kalman_filter", "kalman_filter_vjp", "kalman_smooth
 
 LOG_2PI = float(np.log(2.0 * np.pi))
 SYSTEM_NAMES = ("c", "d", "T", "Z", "R", "H", "Q")
-#: time steps per iteration of the compiled loop (fewer loop-carried round trips on CPU)
-_UNROLL = 1
 
 
 class KalmanOptions(NamedTuple):
@@ -199,9 +199,7 @@ def _filter_scan(y, a0, P0, system, opts):
         af, Pf, a_next, P_next = (jnp.where(dead, nan, x) for x in (af, Pf, a_next, P_next))
         return (a_next, P_next, dead), (ll, af, Pf, a_next, P_next, v, F)
 
-    (_, _, failed), (llo, af, Pf, ap, Pp, v, F) = lax.scan(
-        step, (a0, P0, jnp.bool_(False)), (y, tv), length=n, unroll=_UNROLL
-    )
+    (_, _, failed), (llo, af, Pf, ap, Pp, v, F) = lax.scan(step, (a0, P0, jnp.bool_(False)), (y, tv), length=n)
     ap = jnp.concatenate([a0[None], ap], axis=0)
     Pp = jnp.concatenate([P0[None], Pp], axis=0)
     total = jnp.where(failed, -jnp.inf, jnp.sum(jnp.where(failed, 0.0, llo)))
