@@ -23,7 +23,7 @@ from iterops.ts import (
     yule_walker,
 )
 
-_jax.install()  # a clear error under JAX backends / samplers (imports no JAX)
+_jax.install()  # JAX implementations, registered when PyTensor loads its JAX backend (imports no JAX)
 
 __version__ = "0.1.0"
 

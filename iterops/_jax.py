@@ -1,18 +1,14 @@
-"""JAX backend: iterops Ops have no JAX implementation, and say so clearly.
+"""JAX backend: registers iterops' JAX implementations (:mod:`iterops.jax`) with PyTensor, lazily.
 
-Every iterops Op is a :class:`~iterops._fused.FusedOp` whose loop runs in a
-Numba kernel.  There is no JAX kernel yet, so graphs holding an iterops Op
-cannot be compiled by PyTensor's JAX linker (``mode="JAX"``) nor sampled by
-PyMC's JAX samplers (``pm.sample(nuts_sampler="numpyro")`` or ``"blackjax"``,
-which JAX-ify the model's logp).  Without this module PyTensor says
-``No JAX conversion for the given `Op```; with it, the error names the Op and
-the samplers that do work.
+Every iterops Op has a JAX implementation in :mod:`iterops.jax`, so graphs holding iterops Ops compile
+with PyTensor's JAX linker (``mode="JAX"``) and run in PyMC's JAX samplers
+(``pm.sample(nuts_sampler="numpyro")`` or ``"blackjax"``, which JAX-ify the model's logp and its
+gradient graph).
 
-Importing JAX is slow, so nothing here imports it.  :func:`install` registers
-the error with ``pytensor.link.jax.dispatch.jax_funcify`` right away when that
-module is already loaded, and otherwise through a one-shot import hook that
-runs the registration just after PyTensor loads its JAX dispatch module (which
-happens only when a JAX mode or JAX sampler is used).
+Importing JAX is slow, so nothing here imports it.  :func:`install` registers the implementations with
+``pytensor.link.jax.dispatch.jax_funcify`` right away when that module is already loaded, and otherwise
+through a one-shot import hook that runs the registration just after PyTensor loads its JAX dispatch
+module (which happens only when a JAX mode or JAX sampler is used).
 """
 
 from __future__ import annotations
@@ -21,26 +17,15 @@ import importlib.abc
 import importlib.machinery
 import sys
 
-__all__ = ["install", "no_jax_message"]
+__all__ = ["install"]
 
 _DISPATCH_MODULE = "pytensor.link.jax.dispatch.basic"
 
 
-def no_jax_message(op) -> str:
-    return (
-        f"{op} is an iterops Op: its loop is a Numba kernel and iterops has no JAX implementation of it, "
-        "so it cannot run under PyTensor's JAX backend (mode='JAX') or the JAX-based NUTS samplers "
-        "(pm.sample(nuts_sampler='numpyro' or 'blackjax')). Sample with PyMC's default NUTS "
-        "(pm.sample(nuts_sampler='pymc')) or with nutpie (nuts_sampler='nutpie'), which compile with Numba."
-    )
-
-
 def _register(jax_funcify) -> None:
-    from iterops._fused import FusedOp
+    from iterops.jax import register
 
-    @jax_funcify.register(FusedOp)
-    def _jax_funcify_fused(op, node=None, **kwargs):
-        raise NotImplementedError(no_jax_message(op))
+    register(jax_funcify)
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
@@ -73,7 +58,7 @@ def _uninstall_hook() -> None:
 
 
 def install() -> None:
-    """Register the clear JAX error now, or as soon as PyTensor's JAX dispatch loads."""
+    """Register the JAX implementations now, or as soon as PyTensor's JAX dispatch loads."""
     module = sys.modules.get(_DISPATCH_MODULE)
     if module is not None and hasattr(module, "jax_funcify"):
         _register(module.jax_funcify)

@@ -182,15 +182,6 @@ def test_multiprocess_chains_recover_parameters(ar_idata, ar_mle):
     assert int(ar_idata.sample_stats["diverging"].sum()) == 0
 
 
-def test_jax_samplers_raise_a_clear_error(ar_y):
-    with ar2_model(ar_y[:50]):
-        with pytest.raises(NotImplementedError, match=r"DiscreteLyapunov.*iterops Op.*no JAX implementation"):
-            pm.sample(draws=5, tune=5, chains=1, nuts_sampler="numpyro", progressbar=False)
-    A = pt.matrix("A")
-    with pytest.raises(NotImplementedError, match="nuts_sampler='nutpie'"):
-        pytensor.function([A], iterops.solve_discrete_lyapunov(A, pt.eye(2)), mode="JAX")
-
-
 # ---------------------------------------------------------------------------
 # PyMC features
 # ---------------------------------------------------------------------------

@@ -1,0 +1,134 @@
+"""Kalman filter under JAX: iterops' JAX implementation vs iterops' Numba Op, dynamax and PyTensor's JAX Scan.
+
+Same models as ``bench_kalman`` (simulated, time-invariant, fully observed), on CPU, measured side by side
+in one process:
+
+- **iterops Numba**: ``iterops.ts.kalman_filter(...).loglik`` (+ ``pytensor.grad``), default mode;
+- **iterops JAX**: :func:`iterops.jax.kalman.kalman_filter` under ``jax.jit`` (``jax.value_and_grad``
+  for loglik+gradient: its ``custom_vjp`` adjoint), what numpyro/blackjax run;
+- **dynamax**: ``dynamax.linear_gaussian_ssm.lgssm_filter(...).marginal_loglik`` under ``jax.jit``
+  (autodiff for the gradient);
+- **JAX Scan**: the ``pytensor.scan`` Kalman filter users write (:func:`iterops.demo.scan_kalman_filter`)
+  JAX-ified as PyMC's JAX samplers do it (``mode.JAX`` rewrites, iterops' rewrites excluded so the Scan
+  stays), under ``jax.jit``, ``jax.value_and_grad`` for the gradient.
+
+Gradients are with respect to every input but ``y`` (dynamax: its parameters).  Regenerate with
+``scripts/dev bench jax`` (or ``.venv/bin/python -m benchmarks jax --output /tmp/jax.md``).
+"""
+
+from __future__ import annotations
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytensor  # noqa: E402
+import pytensor.tensor as pt  # noqa: E402
+
+from benchmarks._harness import Section, best_time, ms  # noqa: E402
+from benchmarks.bench_kalman import NAMES, _inputs, _model  # noqa: E402
+
+CASES = [("m=4, p=2, n=500", 4, 2, 500), ("m=20, p=5, n=200", 20, 5, 200), ("local level, n=10,000", 1, 1, 10_000)]
+
+
+def _ready(fn):
+    return lambda *args: jax.block_until_ready(fn(*args))
+
+
+def _core_args(model):
+    """The core Op's arguments: system matrices with a time axis of length 1."""
+    return [jnp.asarray(model[k]) for k in NAMES[:3]] + [jnp.asarray(model[k])[None] for k in NAMES[3:]]
+
+
+def _iterops_jax(model):
+    from iterops.jax.kalman import kalman_filter
+
+    args = _core_args(model)
+    fwd = jax.jit(lambda *a: kalman_filter(*a)[0])
+    grad = jax.jit(jax.value_and_grad(lambda *a: kalman_filter(*a)[0], argnums=tuple(range(1, 10))))
+    return _ready(fwd), _ready(grad), args
+
+
+def _dynamax(model):
+    from dynamax.linear_gaussian_ssm.inference import (
+        ParamsLGSSM, ParamsLGSSMDynamics, ParamsLGSSMEmissions, ParamsLGSSMInitial, lgssm_filter,
+    )
+
+    m, p = model["T"].shape[0], model["Z"].shape[0]
+
+    def loglik(a0, P0, c, d, T, Z, R, H, Q, y):
+        params = ParamsLGSSM(
+            initial=ParamsLGSSMInitial(mean=a0, cov=P0),
+            dynamics=ParamsLGSSMDynamics(weights=T, bias=c, input_weights=jnp.zeros((m, 0)), cov=R @ Q @ R.T),
+            emissions=ParamsLGSSMEmissions(weights=Z, bias=d, input_weights=jnp.zeros((p, 0)), cov=H),
+        )
+        return lgssm_filter(params, y).marginal_loglik
+
+    args = [jnp.asarray(model[k]) for k in NAMES[1:]] + [jnp.asarray(model["y"])]
+    fwd = jax.jit(loglik)
+    grad = jax.jit(jax.value_and_grad(loglik, argnums=tuple(range(9))))
+    return _ready(fwd), _ready(grad), args
+
+
+def _jax_scan(model):
+    from pytensor.compile import mode as pt_mode
+    from pytensor.graph.fg import FunctionGraph
+    from pytensor.link.jax.dispatch import jax_funcify
+
+    from iterops.demo import scan_kalman_filter
+
+    ins = _inputs(model)
+    ll = scan_kalman_filter(*ins)[0]
+    fgraph = FunctionGraph(inputs=ins, outputs=[ll], clone=True)
+    pt_mode.JAX.excluding("iterops").optimizer.rewrite(fgraph)
+    fn = jax_funcify(fgraph)
+    args = [jnp.asarray(model[k]) for k in NAMES]
+    fwd = jax.jit(lambda *a: fn(*a)[0])
+    grad = jax.jit(jax.value_and_grad(lambda *a: fn(*a)[0], argnums=tuple(range(1, 10))))
+    return _ready(fwd), _ready(grad), args
+
+
+def _iterops_numba(model):
+    from iterops.ts import kalman_filter
+
+    ins = _inputs(model)
+    ll = kalman_filter(*ins).loglik
+    fwd = pytensor.function(ins, ll, trust_input=True)
+    grad = pytensor.function(ins, [ll, *pytensor.grad(ll, ins[1:])], trust_input=True)
+    return fwd, grad, [model[k] for k in NAMES]
+
+
+def run(quick: bool = False) -> list[Section]:
+    min_time = 0.05 if quick else 0.3
+    repeat = 3 if quick else 5
+    sec = Section(
+        title="Kalman filter under JAX (CPU): iterops' JAX implementation vs Numba, dynamax, PyTensor's JAX Scan",
+        columns=[
+            "case", "Numba loglik (ms)", "JAX loglik (ms)", "dynamax loglik (ms)", "JAX Scan loglik (ms)",
+            "Numba l+g (ms)", "JAX l+g (ms)", "dynamax l+g (ms)", "JAX Scan l+g (ms)",
+            "JAX / Numba (l+g)", "dynamax / JAX (l+g)", "JAX Scan / JAX (l+g)",
+        ],
+        notes=(
+            "l+g = log-likelihood and its gradient.  JAX columns: `jax.jit` functions on CPU, timed with "
+            "`block_until_ready`.  Ratios > 1 in the last two columns mean iterops' JAX filter is faster; "
+            "`JAX / Numba` > 1 means the Numba Op is faster.  No GPU on this machine."
+        ),
+    )
+    for label, m, p, n in CASES:
+        model = _model(m, p, n)
+        impls = {"numba": _iterops_numba(model), "jax": _iterops_jax(model), "dynamax": _dynamax(model),
+                 "scan": _jax_scan(model)}
+        lls = {k: float(f(*a)) for k, (f, _, a) in impls.items()}
+        ref = lls["numba"]
+        for k, v in lls.items():  # correctness guard: the same log-likelihood
+            assert abs(v - ref) <= 1e-8 * abs(ref), (label, k, v, ref)
+        fwd = {k: best_time(f, *a, min_time=min_time, repeat=repeat) for k, (f, _, a) in impls.items()}
+        lg = {k: best_time(g, *a, min_time=min_time, repeat=repeat) for k, (_, g, a) in impls.items()}
+        sec.rows.append([
+            label, ms(fwd["numba"]), ms(fwd["jax"]), ms(fwd["dynamax"]), ms(fwd["scan"]),
+            ms(lg["numba"]), ms(lg["jax"]), ms(lg["dynamax"]), ms(lg["scan"]),
+            lg["jax"] / lg["numba"], lg["dynamax"] / lg["jax"], lg["scan"] / lg["jax"],
+        ])
+    return [sec]

@@ -1,0 +1,635 @@
+"""iterops under JAX: every Op's JAX implementation (:mod:`iterops.jax`) against the Numba Op and oracles.
+
+* For every Op (and every gradient Op reached by PyTensor's gradient graph), a PyTensor graph compiled with
+  ``mode="JAX"`` returns the Numba Op's values and ``pytensor.grad`` gradients to 1e-10 (float64).  The Numba
+  Ops are themselves tested against oracles in their own test modules; some JAX results are also checked
+  against oracles directly here (scipy, statsmodels, dynamax).
+* ``jax.grad`` of the JAX-ified graph (what PyMC's numpyro/blackjax samplers differentiate: the
+  ``jax.custom_vjp`` rules) equals the Numba gradient too.
+* Batched (``Blockwise``) inputs, ``jax.jit`` and ``jax.vmap`` of the plain JAX functions.
+* Failure values (NaN, ``-inf``), the fusion rewrite in JAX mode, and NUTS with numpyro / blackjax.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytensor  # noqa: E402
+import pytensor.tensor as pt  # noqa: E402
+import pytest  # noqa: E402
+import scipy.linalg  # noqa: E402
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from pytensor.compile import mode as pt_mode  # noqa: E402
+from pytensor.graph.fg import FunctionGraph  # noqa: E402
+from pytensor.link.jax.dispatch import jax_funcify  # noqa: E402
+from pytensor.scan.op import Scan  # noqa: E402
+
+import iterops  # noqa: E402
+from iterops import demo  # noqa: E402
+from iterops.jax import ar as jar  # noqa: E402
+from iterops.jax import kalman as jkalman  # noqa: E402
+from iterops.jax import levinson as jlevinson  # noqa: E402
+from iterops.jax import lyapunov as jlyap  # noqa: E402
+from iterops.jax import toeplitz as jtoeplitz  # noqa: E402
+from iterops.jax.block_diag import block_diag as jblock_diag  # noqa: E402
+from iterops.linalg import lyapunov_fixed_point_loop, smith_doubling_loop  # noqa: E402
+from iterops.ts.kalman import KalmanFilter  # noqa: E402
+from iterops.ts.levinson_recursion import levinson_recursion  # noqa: E402
+
+TOL = 1e-10
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+
+def _tensor(name, value):
+    """A symbolic input with the value's static shape (PyMC's JAX samplers freeze shapes too)."""
+    value = np.asarray(value)
+    return pt.tensor(name, shape=value.shape, dtype=value.dtype)
+
+
+def _cost(outputs, rng):
+    """A random linear functional of every float output (NaN entries, e.g. missing forecast errors, skipped)."""
+    total = 0
+    for o in outputs:
+        w = pt.constant(rng.normal(size=o.type.shape) if o.type.ndim else rng.normal())
+        total = total + pt.where(pt.isnan(o), 0.0, o * w).sum()
+    return total
+
+
+def _jaxify(inputs, outputs):
+    """The graph as one JAX function, rewritten as ``mode="JAX"`` rewrites it (PyMC's ``get_jaxified_graph``)."""
+    fgraph = FunctionGraph(inputs=inputs, outputs=outputs, clone=True)
+    pt_mode.JAX.optimizer.rewrite(fgraph)
+    return jax_funcify(fgraph), fgraph
+
+
+def _close(actual, expected, tol=TOL, what=""):
+    actual, expected = np.asarray(actual, dtype=float), np.asarray(expected, dtype=float)
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    np.testing.assert_array_equal(np.isnan(actual), np.isnan(expected), err_msg=f"{what}: NaN pattern")
+    np.testing.assert_array_equal(np.isinf(actual), np.isinf(expected), err_msg=f"{what}: inf pattern")
+    ok = np.isfinite(expected)
+    scale = 1.0 + np.abs(expected[ok])
+    err = np.abs(actual[ok] - expected[ok]) / scale
+    assert err.size == 0 or err.max() <= tol, f"{what}: max scaled error {err.max():.3e}"
+
+
+def _check_against_numba(inputs, outputs, values, rng, wrt=None):
+    """JAX mode == Numba mode for the outputs and their gradients (PyTensor's gradient graph, whose gradient
+    Ops then run in JAX), and jax.grad of the JAX-ified cost (the custom_vjp rules) == the Numba gradient."""
+    wrt = inputs if wrt is None else wrt
+    cost = _cost(outputs, rng)
+    grads = pytensor.grad(cost, wrt)
+    f_numba = pytensor.function(inputs, [*outputs, *grads])
+    f_jax = pytensor.function(inputs, [*outputs, *grads], mode="JAX")
+    expected = f_numba(*values)
+    got = f_jax(*values)
+    for i, (a, e) in enumerate(zip(got, expected)):
+        _close(a, e, what=f"output {i}")
+    # jax.grad of the jaxified cost, differentiating the inputs in ``wrt``
+    fn, _ = _jaxify(inputs, [cost])
+    idx = [inputs.index(w) for w in wrt]
+
+    def scalar(*diff):
+        args = list(values)
+        for i, d in zip(idx, diff):
+            args[i] = d
+        return fn(*args)[0]
+
+    jgrads = jax.grad(scalar, argnums=tuple(range(len(idx))))(*(jnp.asarray(values[i]) for i in idx))
+    for k, (a, e) in enumerate(zip(jgrads, expected[len(outputs):])):
+        _close(a, e, what=f"jax.grad {k}")
+
+
+def _stable(rng, m, radius=0.8):
+    A = rng.normal(size=(m, m))
+    return A * (radius / np.max(np.abs(np.linalg.eigvals(A))))
+
+
+def _spd(rng, m):
+    X = rng.normal(size=(m, m))
+    return X @ X.T + 0.5 * np.eye(m)
+
+
+# ---------------------------------------------------------------------------
+# Every Op: JAX == Numba, values and gradients
+# ---------------------------------------------------------------------------
+
+
+def _fused_op_classes():
+    from iterops._fused import FusedOp
+
+    todo, found = [FusedOp], set()
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            todo.append(sub)
+            if "__props__" in vars(sub) or hasattr(sub, "gufunc_signature"):
+                found.add(sub)
+    return sorted(found, key=lambda c: c.__name__)
+
+
+def test_every_fused_op_has_a_jax_implementation():
+    """A new Op without a JAX implementation fails here (PyTensor would say 'No JAX conversion')."""
+    from pytensor.link.jax.dispatch.basic import jax_funcify as base
+
+    default = base.dispatch(object)
+    classes = [c for c in _fused_op_classes() if getattr(c, "gufunc_signature", None) and c.__name__[0] != "_"]
+    assert len(classes) >= 18, [c.__name__ for c in classes]
+    missing = [c.__name__ for c in classes if jax_funcify.dispatch(c) is default]
+    assert not missing, missing
+
+
+def _case_lyapunov(method):
+    def build(rng):
+        A, Q = _stable(rng, 3), _spd(rng, 3)
+        a, q = _tensor("A", A), _tensor("Q", Q)
+        return [a, q], [iterops.solve_discrete_lyapunov(a, q, method)], [A, Q], None
+
+    return build
+
+
+def _case_doubling_loop(rng):
+    A, Q = _stable(rng, 3, 0.7), _spd(rng, 3)
+    a, q = _tensor("A", A), _tensor("Q", Q)
+    return [a, q], list(smith_doubling_loop(a, q, 1e-9, 30)), [A, Q], None
+
+
+def _case_doubling_loop_symbolic_steps(rng):
+    A, Q = _stable(rng, 3, 0.7), _spd(rng, 3)
+    a, q, n = _tensor("A", A), _tensor("Q", Q), pt.iscalar("n")
+    return [a, q, n], list(smith_doubling_loop(a, q, 0.0, n, stop="max_le")), [A, Q, np.int32(4)], [a, q]
+
+
+def _case_fixed_point_loop(rng):
+    A, Q, X0 = _stable(rng, 3, 0.7), _spd(rng, 3), np.eye(3)
+    a, q, x0 = _tensor("A", A), _tensor("Q", Q), _tensor("X0", X0)
+    return [a, q, x0], [lyapunov_fixed_point_loop(a, q, x0, 1e-8, 200, stop="fro_lt")], [A, Q, X0], None
+
+
+def _case_fixed_point_loop_symbolic_steps(rng):
+    A, Q, X0 = _stable(rng, 3, 0.7), _spd(rng, 3), np.eye(3)
+    a, q, x0, n = _tensor("A", A), _tensor("Q", Q), _tensor("X0", X0), pt.iscalar("n")
+    out = lyapunov_fixed_point_loop(a, q, x0, 1e-6, n)
+    return [a, q, x0, n], [out], [A, Q, X0, np.int32(25)], [a, q, x0]
+
+
+def _case_block_diag(rng):
+    X = rng.normal(size=(3, 2, 4))
+    x = _tensor("x", X)
+    return [x], [iterops.block_diag(x)], [X], None
+
+
+def _case_toeplitz(rng):
+    C = np.r_[3.0, 0.5 * rng.normal(size=4)]
+    R = np.r_[3.0, 0.5 * rng.normal(size=4)]
+    B = rng.normal(size=(5, 2))
+    c, r, b = _tensor("c", C), _tensor("r", R), _tensor("b", B)
+    return [c, r, b], [iterops.solve_toeplitz((c, r), b)], [C, R, B], None
+
+
+def _ar_acov(rng):
+    phi = iterops.ts.pacf_to_ar(np.array([0.6, -0.4, 0.3])).eval()
+    return iterops.ts.ar_to_acov(phi, 1.3, 5).eval()
+
+
+def _case_levinson_durbin(rng):
+    G = _ar_acov(rng)
+    g = _tensor("acov", G)
+    return [g], list(iterops.levinson_durbin(g, 3)), [G], None
+
+
+def _case_levinson_recursion(rng):
+    G = _ar_acov(rng)
+    g = _tensor("gamma", G)
+    return [g], list(levinson_recursion(g, 4)), [G], None
+
+
+def _case_acovf(rng):
+    X = rng.normal(size=30)
+    x = _tensor("x", X)
+    return [x], [iterops.acovf(x, 5), iterops.acovf(x, 3, adjusted=True)], [X], None
+
+
+def _case_pacf_to_ar(rng):
+    K = np.array([0.5, -0.3, 0.2, 0.7])
+    k = _tensor("pacf", K)
+    return [k], [iterops.pacf_to_ar(k)], [K], None
+
+
+def _case_ar_to_pacf(rng):
+    P = iterops.ts.pacf_to_ar(np.array([0.5, -0.3, 0.6])).eval()
+    p = _tensor("phi", P)
+    return [p], [iterops.ar_to_pacf(p)], [P], None
+
+
+def _case_ar_to_acov(rng):
+    P = iterops.ts.pacf_to_ar(np.array([0.5, -0.3, 0.6])).eval()
+    p, s = _tensor("phi", P), _tensor("sigma2", np.float64(1.3))
+    return [p, s], [iterops.ar_to_acov(p, s, 6)], [P, np.float64(1.3)], None
+
+
+KALMAN_NAMES = ("y", "a0", "P0", "c", "d", "T", "Z", "R", "H", "Q")
+
+
+def _kalman_values(rng, n=15, m=3, p=2, r=2, tv=()):
+    vals = {
+        "c": 0.1 * rng.normal(size=m), "d": 0.1 * rng.normal(size=p), "T": _stable(rng, m, 0.9),
+        "Z": rng.normal(size=(p, m)), "R": rng.normal(size=(m, r)), "H": 0.5 * _spd(rng, p),
+        "Q": 0.3 * _spd(rng, r),
+    }
+    for name in tv:
+        vals[name] = np.stack([vals[name] * (1.0 + 0.05 * t) for t in range(n)])
+    return [rng.normal(size=(n, p)), np.zeros(m), np.eye(m)] + [vals[k] for k in KALMAN_NAMES[3:]]
+
+
+def _case_kalman(tv=(), missing=False, **options):
+    def build(rng):
+        vals = _kalman_values(rng, tv=tv)
+        if missing:
+            vals[0][3, 0] = np.nan
+            vals[0][6, :] = np.nan
+            if options.get("missing_value") is not None:
+                vals[0][9, 1] = options["missing_value"]
+        syms = [_tensor(nm, v) for nm, v in zip(KALMAN_NAMES, vals)]
+        res = iterops.kalman_filter(*syms, time_varying=tv, **options)
+        return syms, list(res), vals, None
+
+    return build
+
+
+def _case_kalman_smoother(rng):
+    vals = _kalman_values(rng)
+    vals[0][4, 1] = np.nan
+    syms = [_tensor(nm, v) for nm, v in zip(KALMAN_NAMES, vals)]
+    res = iterops.kalman_smoother(*syms)
+    return syms, list(res), vals, []  # no gradient (not implemented for the Numba Op either)
+
+
+CASES = {
+    "lyapunov_auto": _case_lyapunov("auto"),
+    "lyapunov_doubling": _case_lyapunov("doubling"),
+    "lyapunov_schur": _case_lyapunov("schur"),
+    "smith_doubling_loop": _case_doubling_loop,
+    "smith_doubling_loop_symbolic_steps": _case_doubling_loop_symbolic_steps,
+    "fixed_point_loop": _case_fixed_point_loop,
+    "fixed_point_loop_symbolic_steps": _case_fixed_point_loop_symbolic_steps,
+    "block_diag": _case_block_diag,
+    "solve_toeplitz": _case_toeplitz,
+    "levinson_durbin": _case_levinson_durbin,
+    "levinson_recursion": _case_levinson_recursion,
+    "acovf": _case_acovf,
+    "pacf_to_ar": _case_pacf_to_ar,
+    "ar_to_pacf": _case_ar_to_pacf,
+    "ar_to_acov": _case_ar_to_acov,
+    "kalman_filter": _case_kalman(),
+    "kalman_filter_missing_jitter": _case_kalman(missing=True, cov_jitter=1e-6, missing_value=-9999.0),
+    "kalman_filter_time_varying": _case_kalman(tv=("c", "T", "Z", "H", "Q")),
+    "kalman_smoother": _case_kalman_smoother,
+}
+#: in the default run (the others, which compile larger gradient graphs twice, run with ``-m slow``)
+DEFAULT_CASES = {
+    "lyapunov_auto", "smith_doubling_loop_symbolic_steps", "fixed_point_loop", "block_diag", "solve_toeplitz",
+    "levinson_recursion", "pacf_to_ar", "kalman_filter_missing_jitter", "kalman_smoother",
+}
+
+
+@pytest.mark.parametrize(
+    "case", [c if c in DEFAULT_CASES else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
+)
+def test_op_and_gradients_equal_numba(case, rng):
+    inputs, outputs, values, wrt = CASES[case](rng)
+    if wrt == []:  # values only
+        f_numba, f_jax = pytensor.function(inputs, outputs), pytensor.function(inputs, outputs, mode="JAX")
+        for i, (a, e) in enumerate(zip(f_jax(*values), f_numba(*values))):
+            _close(a, e, what=f"output {i}")
+        return
+    _check_against_numba(inputs, outputs, values, rng, wrt)
+
+
+def test_kalman_failure_is_minus_inf_and_nan_gradient(rng):
+    vals = _kalman_values(rng)
+    vals[8] = -50.0 * np.eye(2)  # H: F not positive definite from the first step
+    syms = [_tensor(nm, v) for nm, v in zip(KALMAN_NAMES, vals)]
+    res = iterops.kalman_filter(*syms)
+    fn, _ = _jaxify(syms, [res.loglik, res.filtered_state])
+    ll, filtered = fn(*vals)
+    assert ll == -np.inf and np.all(np.isnan(filtered))
+    g = jax.grad(lambda T: fn(*vals[:5], T, *vals[6:])[0])(jnp.asarray(vals[5]))
+    assert np.all(np.isnan(g))
+
+
+@pytest.mark.slow
+def test_kalman_failure_through_pytensor_gradient_graph(rng):
+    vals = _kalman_values(rng)
+    vals[8] = -50.0 * np.eye(2)
+    syms = [_tensor(nm, v) for nm, v in zip(KALMAN_NAMES, vals)]
+    res = iterops.kalman_filter(*syms)
+    f = pytensor.function(syms, [res.loglik, *pytensor.grad(res.loglik, syms)], mode="JAX")
+    out = f(*vals)
+    assert out[0] == -np.inf
+    assert all(np.all(np.isnan(g)) for g in out[1:])
+
+
+def test_failure_values():
+    nan2 = np.full((2, 2), np.nan)
+    unstable = np.diag([1.5, 0.5])
+    np.testing.assert_array_equal(jlyap.solve_discrete_lyapunov(unstable, np.eye(2), "doubling"), nan2)
+    np.testing.assert_array_equal(jlyap.solve_discrete_lyapunov(np.eye(2), np.eye(2), "schur"), nan2)  # singular
+    np.testing.assert_array_equal(jlyap.solve_discrete_lyapunov(np.full((2, 2), np.nan), np.eye(2)), nan2)
+    # unstable but solvable: auto falls back to Schur, as the Numba kernel
+    X = jlyap.solve_discrete_lyapunov(unstable, np.eye(2))
+    np.testing.assert_allclose(X, scipy.linalg.solve_discrete_lyapunov(unstable, np.eye(2)), rtol=1e-12)
+    assert np.all(np.isnan(jtoeplitz.solve_toeplitz(jnp.zeros(3), jnp.zeros(3), jnp.ones((3, 1)))))
+    assert np.all(np.isnan(jar.pacf_to_ar(jnp.array([0.5, 1.0]))))
+    assert np.all(np.isnan(jar.ar_to_pacf(jnp.array([1.2, 0.0]))))
+    assert np.all(np.isnan(jar.ar_to_acov(jnp.array([1.2, 0.0]), 1.0, 3)))
+    phi, s2, pacf = jlevinson.levinson_durbin(jnp.array([1.0, 1.0, 1.0]), 2)  # singular Toeplitz
+    assert np.all(np.isnan(phi)) and np.isnan(s2) and np.all(np.isnan(pacf))
+    acov = jlevinson.acovf(jnp.arange(3.0), 4)
+    assert np.all(np.isnan(acov[3:])) and np.all(np.isfinite(acov[:3]))
+
+
+# ---------------------------------------------------------------------------
+# Batched, jit, vmap
+# ---------------------------------------------------------------------------
+
+
+def _check_batched(rng, with_kalman):
+    A = np.stack([_stable(rng, 3, r) for r in (0.3, 0.8, 0.99)])
+    Q = _spd(rng, 3)
+    Kp = np.array([[0.5, -0.3], [0.9, 0.1]])
+    a, q, k = _tensor("A", A), _tensor("Q", Q), _tensor("pacf", Kp)
+    inputs, values, wrt = [a, q, k], [A, Q, Kp], [a, k]
+    outs = [iterops.solve_discrete_lyapunov(a, q), iterops.pacf_to_ar(k)]
+    if with_kalman:
+        vals = _kalman_values(rng)
+        ys = np.stack([vals[0], vals[0][::-1]])
+        y = _tensor("y", ys)
+        kal = iterops.kalman_filter(y, *vals[1:])
+        inputs, values, wrt, outs = inputs + [y], values + [ys], wrt + [y], outs + [kal.loglik, kal.filtered_cov]
+    grads = pytensor.grad(_cost(outs, rng), wrt)
+    f_n, f_j = pytensor.function(inputs, outs + grads), pytensor.function(inputs, outs + grads, mode="JAX")
+    for i, (g, e) in enumerate(zip(f_j(*values), f_n(*values))):
+        _close(g, e, what=f"batched output {i}")
+
+
+def test_batched_ops_equal_numba(rng):
+    """Blockwise under JAX (PyTensor vectorizes the core JAX function) == Numba, with broadcasting."""
+    _check_batched(rng, with_kalman=False)
+
+
+@pytest.mark.slow
+def test_batched_kalman_equal_numba(rng):
+    _check_batched(rng, with_kalman=True)
+
+
+def test_jit_vmap_lyapunov_against_scipy(rng):
+    A = np.stack([_stable(rng, 4, r) for r in (0.2, 0.9, 0.999)])
+    Q = np.stack([_spd(rng, 4) for _ in range(3)])
+    for method in ("auto", "doubling", "schur"):
+        f = jax.jit(jax.vmap(lambda a, q, method=method: jlyap.solve_discrete_lyapunov(a, q, method)))
+        X = f(A, Q)
+        for i in range(3):
+            expected = scipy.linalg.solve_discrete_lyapunov(A[i], Q[i])
+            np.testing.assert_allclose(X[i], expected, rtol=1e-9 * (100 if i == 2 else 1), atol=1e-12)
+    # jax.grad (custom_vjp, implicit function theorem) == dense-Kronecker oracle
+    a, q = A[1], Q[1]
+    W = rng.normal(size=(4, 4))
+    gA, gQ = jax.jit(jax.grad(lambda a, q: jnp.sum(W * jlyap.solve_discrete_lyapunov(a, q)), argnums=(0, 1)))(a, q)
+    K = np.eye(16) - np.kron(a, a)  # vec(X) = K^{-1} vec(Q) (row-major vec)
+    lam = np.linalg.solve(K.T, W.ravel()).reshape(4, 4)
+    X = scipy.linalg.solve_discrete_lyapunov(a, q)
+    np.testing.assert_allclose(gQ, lam, rtol=1e-9)
+    np.testing.assert_allclose(gA, lam @ a @ X.T + lam.T @ a @ X, rtol=1e-9)
+
+
+@given(st.integers(1, 5), st.floats(0.0, 0.999), st.integers(0, 2**31 - 1))
+def test_lyapunov_hypothesis_against_scipy(m, radius, seed):
+    rng = np.random.default_rng(seed)
+    A = _stable(rng, m, radius) if radius > 0 else np.zeros((m, m))
+    Q = _spd(rng, m)
+    X = np.asarray(_jit_lyap(A, Q))
+    expected = scipy.linalg.solve_discrete_lyapunov(A, Q)
+    np.testing.assert_allclose(X, expected, rtol=1e-8 / max(1e-3, 1 - radius), atol=1e-10)
+
+
+_jit_lyap = jax.jit(jlyap.solve_discrete_lyapunov)
+
+
+def test_jit_vmap_recursions_against_oracles(rng):
+    from statsmodels.tsa.arima_process import arma_acovf
+    from statsmodels.tsa.stattools import levinson_durbin as sm_levinson_durbin
+
+    pacf = np.array([[0.5, -0.3, 0.2], [0.9, 0.4, -0.6], [-0.2, 0.1, 0.05]])
+    phi = jax.jit(jax.vmap(jar.pacf_to_ar))(pacf)
+    np.testing.assert_allclose(jax.jit(jax.vmap(jar.ar_to_pacf))(phi), pacf, rtol=1e-12)
+    acov = jax.jit(jax.vmap(lambda f: jar.ar_to_acov(f, 1.0, 6)))(phi)
+    durbin = jax.jit(jax.vmap(lambda g: jlevinson.levinson_durbin(g, 3)))(acov)
+    for i in range(3):
+        np.testing.assert_allclose(acov[i], arma_acovf(np.r_[1, -phi[i]], [1.0], nobs=7), rtol=1e-10)
+        sigma_v, arcoefs, pacf_sm, _, _ = sm_levinson_durbin(np.asarray(acov[i]), nlags=3, isacov=True)
+        np.testing.assert_allclose(durbin[0][i], arcoefs, rtol=1e-10)
+        np.testing.assert_allclose(durbin[1][i], sigma_v, rtol=1e-10)
+        np.testing.assert_allclose(durbin[2][i], pacf_sm[1:], rtol=1e-10, atol=1e-14)
+    c = np.stack([np.r_[4.0, rng.normal(size=5)] for _ in range(2)])
+    r = np.stack([np.r_[4.0, rng.normal(size=5)] for _ in range(2)])
+    b = rng.normal(size=(2, 6, 3))
+    x = jax.jit(jax.vmap(jtoeplitz.solve_toeplitz))(c, r, b)
+    for i in range(2):
+        np.testing.assert_allclose(x[i], scipy.linalg.solve_toeplitz((c[i], r[i]), b[i]), rtol=1e-10)
+    blocks = rng.normal(size=(2, 3, 2, 2))
+    B = jax.jit(jax.vmap(jblock_diag))(blocks)
+    for i in range(2):
+        np.testing.assert_array_equal(B[i], scipy.linalg.block_diag(*blocks[i]))
+
+
+# ---------------------------------------------------------------------------
+# Kalman filter against dynamax and statsmodels
+# ---------------------------------------------------------------------------
+
+
+def _dynamax_params(vals):
+    from dynamax.linear_gaussian_ssm.inference import (
+        ParamsLGSSM, ParamsLGSSMDynamics, ParamsLGSSMEmissions, ParamsLGSSMInitial,
+    )
+
+    _, a0, P0, c, d, T, Z, R, H, Q = (jnp.asarray(v) for v in vals)
+    m, p = T.shape[-1], Z.shape[-2]
+    return ParamsLGSSM(
+        initial=ParamsLGSSMInitial(mean=a0, cov=P0),
+        dynamics=ParamsLGSSMDynamics(weights=T[0], bias=c[0], input_weights=jnp.zeros((m, 0)),
+                                     cov=R[0] @ Q[0] @ R[0].T),
+        emissions=ParamsLGSSMEmissions(weights=Z[0], bias=d[0], input_weights=jnp.zeros((p, 0)), cov=H[0]),
+    )
+
+
+def test_kalman_against_dynamax(rng):
+    from dynamax.linear_gaussian_ssm import lgssm_filter
+
+    vals = _kalman_values(rng, n=40)
+    vals = [jnp.asarray(v) for v in vals[:3]] + [jnp.asarray(v[None]) for v in vals[3:]]  # static time axis
+    ours = jax.jit(jkalman.kalman_filter)(*vals)
+    theirs = jax.jit(lambda vs: lgssm_filter(_dynamax_params(vs), vs[0]))(vals)
+    np.testing.assert_allclose(ours[0], theirs.marginal_loglik, rtol=1e-9)  # tfp MVN arithmetic
+    # dynamax's update arithmetic (its own symmetric solves) differs from statsmodels' at ~1e-9
+    np.testing.assert_allclose(ours[2], theirs.filtered_means, rtol=1e-7, atol=1e-8)
+    np.testing.assert_allclose(ours[3], theirs.filtered_covariances, rtol=1e-7, atol=1e-8)
+    # gradient of the log-likelihood in the transition matrix: our adjoint vs dynamax's autodiff
+    g_ours = jax.grad(lambda T: jkalman.kalman_filter(*vals[:5], T, *vals[6:])[0])(vals[5])
+    g_theirs = jax.grad(
+        lambda T: lgssm_filter(_dynamax_params(vals[:5] + [T] + vals[6:]), vals[0]).marginal_loglik
+    )(vals[5])
+    np.testing.assert_allclose(g_ours, g_theirs, rtol=1e-8, atol=1e-9 * np.abs(g_theirs).max())
+
+
+def test_kalman_missing_data_against_statsmodels(rng):
+    from statsmodels.tsa.statespace.kalman_filter import KalmanFilter as SMKalmanFilter
+
+    y, a0, P0, c, d, T, Z, R, H, Q = _kalman_values(rng, n=25)
+    y[[2, 7], 0] = np.nan
+    y[11] = np.nan
+    kf = SMKalmanFilter(k_endog=2, k_states=3, k_posdef=2)
+    kf.bind(y.copy())
+    kf["design"], kf["obs_intercept"], kf["obs_cov"] = Z, d, H
+    kf["transition"], kf["state_intercept"], kf["selection"], kf["state_cov"] = T, c, R, Q
+    kf.initialize_known(a0, P0)
+    res = kf.filter()
+    ours = jax.jit(jkalman.kalman_filter)(y, a0, P0, *(v[None] for v in (c, d, T, Z, R, H, Q)))
+    np.testing.assert_allclose(ours[0], res.llf, rtol=1e-10)
+    np.testing.assert_allclose(ours[2], res.filtered_state.T, rtol=1e-9, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# The fusion rewrite under JAX
+# ---------------------------------------------------------------------------
+
+
+def test_scan_loops_are_fused_under_jax(rng):
+    """The Scan -> fused Op rewrite runs in JAX mode (it is tagged ``fast_run``, which ``mode="JAX"``
+    includes): the textbook Kalman Scan and the doubling Scan become iterops Ops, with the loop's values and
+    gradients."""
+    from iterops import reference_loops as ref
+    from iterops.linalg.lyapunov_iteration import SmithDoublingLoop
+
+    y, a0, _, _, _, T, Z, R, _, _ = _kalman_values(rng, n=12)
+    L0, LH, LQ = np.eye(3) + 0.1 * np.tril(rng.normal(size=(3, 3))), np.eye(2), np.eye(2)
+    vals = [y, a0, L0, T, Z, R, LH, LQ]
+    syms = [_tensor(nm, v) for nm, v in zip(("y", "a0", "L0", "T", "Z", "R", "LH", "LQ"), vals)]
+    yv, a0v, l0, tv, zv, rv, lh, lq = syms
+    ll, _, _ = ref.kalman_textbook_loop(yv, a0v, l0 @ l0.T, tv, zv, rv, lh @ lh.T, lq @ lq.T)
+    A, Qm = _stable(rng, 3, 0.6), _spd(rng, 3)
+    a, q = _tensor("A", A), _tensor("Q", Qm)
+    gamma = ref.doubling_loop(a, q, tol=1e-10, n_steps=40)
+    inputs, cost = [*syms, a, q], ll.sum() + (gamma ** 2).sum()
+    fn, fgraph = _jaxify(inputs, [cost])
+    ops = [type(getattr(node.op, "core_op", node.op)) for node in fgraph.toposort()]
+    assert KalmanFilter in ops and SmithDoublingLoop in ops and Scan not in ops
+    values = [*vals, A, Qm]
+    unfused_mode = pytensor.compile.get_default_mode().excluding("iterops")
+    unfused = pytensor.function(inputs, [cost, *pytensor.grad(cost, [tv, a])], mode=unfused_mode)
+    expected = unfused(*values)
+    np.testing.assert_allclose(fn(*values)[0], expected[0], rtol=1e-10)
+    g = jax.grad(lambda t, a_: fn(*values[:3], t, *values[4:8], a_, values[9])[0], argnums=(0, 1))(
+        jnp.asarray(T), jnp.asarray(A))
+    np.testing.assert_allclose(g[0], expected[1], rtol=1e-8)
+    np.testing.assert_allclose(g[1], expected[2], rtol=1e-8)
+    # and through PyTensor's gradient graph compiled by the JAX linker: the gradient of a while-Scan has no
+    # JAX conversion, so the loops are fused before differentiating (as PyMC's pre-gradient rewrites do)
+    (fused,) = iterops.fuse_loops([cost])
+    f_jax = pytensor.function(inputs, [fused, *pytensor.grad(fused, [tv, a])], mode="JAX")
+    for got, e in zip(f_jax(*values), expected):
+        np.testing.assert_allclose(got, e, rtol=1e-8)
+
+
+# ---------------------------------------------------------------------------
+# PyMC's JAX samplers
+# ---------------------------------------------------------------------------
+
+
+def _logp_and_grad_agree(model):
+    """The model's logp and its gradient: JAX-ified (as numpyro/blackjax see it) == compiled with Numba."""
+    from pymc.sampling.jax import get_jaxified_logp
+
+    point = model.initial_point()
+    x = [point[v.name] for v in model.value_vars]
+    logp = get_jaxified_logp(model, negative_logp=True)  # PyMC: True returns logp itself
+    val, grads = jax.value_and_grad(lambda xs: logp(xs))(x)
+    f = model.compile_logp()
+    df = model.compile_dlogp()
+    np.testing.assert_allclose(val, f(point), rtol=1e-10)
+    np.testing.assert_allclose(np.concatenate([np.ravel(g) for g in grads]), df(point), rtol=1e-8, atol=1e-10)
+
+
+def _sample(model, sampler, draws=30):
+    import pymc as pm
+
+    with model, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        idata = pm.sample(draws=draws, tune=draws, chains=1, nuts_sampler=sampler, progressbar=False,
+                          random_seed=3)
+    post = idata.posterior
+    for name in post.data_vars:
+        assert np.all(np.isfinite(post[name].values)), name
+    return idata
+
+
+def test_numpyro_samples_the_nile_demo_model():
+    _, nile = demo.load_nile()
+    model = demo.local_level_model(nile)
+    _logp_and_grad_agree(model)
+    _sample(model, "numpyro", draws=10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampler", ["numpyro", "blackjax"])
+@pytest.mark.parametrize("which", ["nile", "ar2", "ar2_scan", "pymc_extras"])
+def test_jax_samplers_on_demo_models(which, sampler):
+    _, nile = demo.load_nile()
+    _, infl = demo.load_inflation()
+    model = {
+        "nile": lambda: demo.local_level_model(nile),
+        "ar2": lambda: demo.ar2_noise_model(infl[:80]),  # solve_discrete_lyapunov + kalman_filter
+        "ar2_scan": lambda: demo.ar2_noise_model(infl[:80], impl="scan"),  # the Scan version, as users write it
+        "pymc_extras": lambda: demo.pymc_extras_local_linear_trend_model(nile[:, None]),
+    }[which]()
+    if which == "pymc_extras":  # its Kalman filter Scan is fused in the graph the JAX samplers run
+        from pymc.sampling.jax import _replace_shared_variables
+
+        _, fgraph = _jaxify(model.value_vars, _replace_shared_variables([model.logp()]))
+        ops = [type(getattr(node.op, "core_op", node.op)) for node in fgraph.toposort()]
+        assert KalmanFilter in ops and Scan not in ops
+    _logp_and_grad_agree(model)
+    if sampler == "blackjax":
+        _sample_blackjax(model, steps=50)
+    else:
+        _sample(model, sampler, draws=50)
+
+
+def _sample_blackjax(model, steps):
+    """blackjax's window adaptation and NUTS on the model's JAX-ified logp, as ``pm.sample(nuts_sampler=
+    "blackjax")`` runs them.  (PyMC 6.3.2's own blackjax path passes ``progress_bar`` to
+    ``blackjax.window_adaptation``, which blackjax 1.7 rejects; unrelated to iterops, so blackjax is called
+    here directly.)"""
+    import blackjax
+    from pymc.sampling.jax import get_jaxified_logp
+
+    logp = get_jaxified_logp(model, negative_logp=True)
+    point = model.initial_point()
+    init = [jnp.asarray(point[v.name]) for v in model.value_vars]
+    warmup = blackjax.window_adaptation(blackjax.nuts, logp)
+    (state, params), _ = warmup.run(jax.random.PRNGKey(0), init, num_steps=steps)
+    step = jax.jit(blackjax.nuts(logp, **params).step)
+    for key in jax.random.split(jax.random.PRNGKey(1), steps):
+        state, info = step(key, state)
+        assert np.isfinite(float(state.logdensity))
+        assert all(np.all(np.isfinite(np.asarray(x))) for x in state.position)
