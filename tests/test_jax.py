@@ -583,11 +583,12 @@ def _sample(model, sampler, draws=30):
     return idata
 
 
-def test_numpyro_samples_the_nile_demo_model():
+@pytest.mark.parametrize("sampler", ["numpyro", "blackjax"])
+def test_jax_samplers_sample_the_nile_demo_model(sampler):
     _, nile = demo.load_nile()
     model = demo.local_level_model(nile)
     _logp_and_grad_agree(model)
-    _sample(model, "numpyro", draws=10)
+    _sample(model, sampler, draws=10)
 
 
 @pytest.mark.slow
@@ -609,27 +610,4 @@ def test_jax_samplers_on_demo_models(which, sampler):
         ops = [type(getattr(node.op, "core_op", node.op)) for node in fgraph.toposort()]
         assert KalmanFilter in ops and Scan not in ops
     _logp_and_grad_agree(model)
-    if sampler == "blackjax":
-        _sample_blackjax(model, steps=50)
-    else:
-        _sample(model, sampler, draws=50)
-
-
-def _sample_blackjax(model, steps):
-    """blackjax's window adaptation and NUTS on the model's JAX-ified logp, as ``pm.sample(nuts_sampler=
-    "blackjax")`` runs them.  (PyMC 6.3.2's own blackjax path passes ``progress_bar`` to
-    ``blackjax.window_adaptation``, which blackjax 1.7 rejects; unrelated to iterops, so blackjax is called
-    here directly.)"""
-    import blackjax
-    from pymc.sampling.jax import get_jaxified_logp
-
-    logp = get_jaxified_logp(model, negative_logp=True)
-    point = model.initial_point()
-    init = [jnp.asarray(point[v.name]) for v in model.value_vars]
-    warmup = blackjax.window_adaptation(blackjax.nuts, logp)
-    (state, params), _ = warmup.run(jax.random.PRNGKey(0), init, num_steps=steps)
-    step = jax.jit(blackjax.nuts(logp, **params).step)
-    for key in jax.random.split(jax.random.PRNGKey(1), steps):
-        state, info = step(key, state)
-        assert np.isfinite(float(state.logdensity))
-        assert all(np.all(np.isfinite(np.asarray(x))) for x in state.position)
+    _sample(model, sampler, draws=50)
