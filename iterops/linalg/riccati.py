@@ -57,11 +57,14 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba import types
 import pytensor.tensor as pt
 from pytensor.graph.basic import Apply
 from pytensor.tensor.variable import TensorVariable
 
-from iterops._fused import FusedOp, apply_batched, entry_point, register_fused_op
+from iterops._fused import (
+    F64P, FusedOp, OpaqueKernel, apply_batched, data_ptr, entry_point, keep_alive, register_fused_op,
+)
 from iterops._implicit import implicit_pullback, implicit_pushforward
 from iterops._linalg_kernels import mm, sym_inplace
 from iterops._validate import as_tensor, check_dim_match, check_square, float_dtype
@@ -202,23 +205,38 @@ def dare_kernel(A, B, Q, R, tol, max_iter):
 # ---------------------------------------------------------------------------
 
 
+def _dare_abi(A, B, Q, R, X, n, m, tol, max_iter):
+    """C-ABI barrier around :func:`dare_kernel` (see :class:`iterops._fused.OpaqueKernel`): writes X,
+    returns 1 if solved.  Called directly, the kernel (LU solves, an eigenvalue check) would be
+    compiled into every new graph again: about 9 CPU-s per graph instead of about 1."""
+    Xs, ok = dare_kernel(
+        numba.carray(A, (n, n)), numba.carray(B, (n, m)), numba.carray(Q, (n, n)), numba.carray(R, (m, m)),
+        tol, max_iter,
+    )
+    numba.carray(X, (n, n))[:] = Xs
+    return 1 if ok else 0
+
+
+_ABI = OpaqueKernel(types.int64(F64P, F64P, F64P, F64P, F64P, types.int64, types.int64, types.float64, types.int64), _dare_abi)
+
+
 @entry_point
 def _dare_entry(out_dtype: str, tol: float, max_iter: int):
     out = np.dtype(out_dtype).type
+    abi = _ABI.external
 
     @numba.njit
     def solve(A, B, Q, R):
         n, m = B.shape
         if A.shape != (n, n) or Q.shape != (n, n) or R.shape != (m, m):
             raise ValueError("solve_discrete_are: shapes must be A (n, n), B (n, m), Q (n, n), R (m, m)")
-        X, _ = dare_kernel(
-            np.ascontiguousarray(A).astype(np.float64),
-            np.ascontiguousarray(B).astype(np.float64),
-            np.ascontiguousarray(Q).astype(np.float64),
-            np.ascontiguousarray(R).astype(np.float64),
-            tol,
-            max_iter,
-        )
+        A_ = np.ascontiguousarray(A.astype(np.float64))
+        B_ = np.ascontiguousarray(B.astype(np.float64))
+        Q_ = np.ascontiguousarray(Q.astype(np.float64))
+        R_ = np.ascontiguousarray(R.astype(np.float64))
+        X = np.empty((n, n))
+        abi(data_ptr(A_), data_ptr(B_), data_ptr(Q_), data_ptr(R_), data_ptr(X), n, m, tol, max_iter)
+        keep_alive((A_, B_, Q_, R_, X))
         return X.astype(out)
 
     return solve
