@@ -6,7 +6,7 @@ import pytensor
 import pytensor.tensor as pt
 import pytest
 import scipy.linalg as sl
-from pytensor.gradient import verify_grad
+from pytensor.gradient import pushforward, verify_grad
 
 from conftest import evaluate, jacobian_check
 import iterops
@@ -134,3 +134,20 @@ def test_solve_toeplitz_bad_input():
         solve_toeplitz(pt.scalar("c"), np.ones(3))
     with pytest.raises(TypeError, match="complex"):
         solve_toeplitz(np.ones(3) + 1j, np.ones(3))
+
+
+def test_solve_toeplitz_double_pullback_pushforward(rng):
+    """PyTensor's double-pullback pushforward (batched forward mode uses it) in all of (c, r, b) at once,
+    against central differences of scipy's solver."""
+    c, r, b = _toeplitz_case(rng, 4, 2)
+    C, R, B = pt.vector("c"), pt.vector("r"), pt.matrix("b")
+    tangents = [C.type("tc"), R.type("tr"), B.type("tb")]
+    jvp = pushforward(solve_toeplitz((C, R), B), [C, R, B], tangents, use_op_pushforward=False)
+    t = [rng.normal(size=c.shape), rng.normal(size=r.shape), rng.normal(size=b.shape)]
+    got = pytensor.function([C, R, B, *tangents], jvp, mode=FAST)(c, r, b, *t)
+    eps = 1e-6
+    fd = (
+        sl.solve_toeplitz((c + eps * t[0], r + eps * t[1]), b + eps * t[2])
+        - sl.solve_toeplitz((c - eps * t[0], r - eps * t[1]), b - eps * t[2])
+    ) / (2 * eps)
+    np.testing.assert_allclose(got, fd, rtol=1e-6, atol=1e-8)
