@@ -11,6 +11,10 @@ from pytensor.gradient import verify_grad
 
 from iterops.linalg import solve_discrete_are
 
+# Gradient checks compile several graphs: the Python linker (whose perform runs the same Numba
+# kernel); every linker is covered by test_dtype.
+FAST = "FAST_COMPILE"
+
 
 def system(rng, n, m, scale=1.0):
     """A random system (stabilisable almost surely: B is dense), SPD Q and R."""
@@ -124,7 +128,8 @@ def test_gradient_verify_grad(rng):
     def f(A, B, Q, R):
         return solve_discrete_are(A, B, Q @ Q.T + pt.eye(3), R @ R.T + pt.eye(2))
 
-    verify_grad(f, [a, b, np.linalg.cholesky(q - np.eye(3) + 0.1 * np.eye(3)), np.eye(2)], rng=rng, eps=1e-7)
+    args = [a, b, np.linalg.cholesky(q - np.eye(3) + 0.1 * np.eye(3)), np.eye(2)]
+    verify_grad(f, args, rng=rng, eps=1e-7, mode=FAST)
 
 
 def test_gradient_matches_scipy_finite_differences(rng):
@@ -132,7 +137,8 @@ def test_gradient_matches_scipy_finite_differences(rng):
     a, b, q, r = system(rng, 4, 2)
     w = rng.normal(size=(4, 4))
     A, B, Q, R = (pt.dmatrix(name) for name in "ABQR")
-    grads = pytensor.function([A, B, Q, R], pytensor.grad((pt.as_tensor(w) * solve_discrete_are(A, B, Q, R)).sum(), [A, B, Q, R]))(a, b, q, r)
+    cost = (pt.as_tensor(w) * solve_discrete_are(A, B, Q, R)).sum()
+    grads = pytensor.function([A, B, Q, R], pytensor.grad(cost, [A, B, Q, R]), mode=FAST)(a, b, q, r)
     dirs = [rng.normal(size=v.shape) for v in (a, b, q, r)]
     dirs[2], dirs[3] = dirs[2] + dirs[2].T, dirs[3] + dirs[3].T  # symmetric directions for Q, R
     eps = 1e-6
@@ -151,7 +157,7 @@ def test_forward_mode_matches_reverse(rng):
     jvp = pytensor.gradient.pushforward(X, A, dA)
     w = rng.normal(size=(3, 3))
     g = pytensor.grad((pt.as_tensor(w) * X).sum(), A)
-    f = pytensor.function([A, B, Q, R, dA], [(pt.as_tensor(w) * jvp).sum(), (g * dA).sum()])
+    f = pytensor.function([A, B, Q, R, dA], [(pt.as_tensor(w) * jvp).sum(), (g * dA).sum()], mode=FAST)
     fwd, rev = f(a, b, q, r, rng.normal(size=(3, 3)))
     np.testing.assert_allclose(fwd, rev, rtol=1e-9)
 
