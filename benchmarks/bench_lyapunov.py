@@ -1,4 +1,4 @@
-"""Discrete Lyapunov: iterops vs PyTensor's built-ins, the Smith doubling loop as a Scan, scipy and quantecon."""
+"""Discrete Lyapunov and Riccati equations: iterops vs PyTensor's built-ins, the Smith doubling loop as a Scan, scipy and quantecon."""
 
 from __future__ import annotations
 
@@ -7,24 +7,12 @@ import pytensor
 import pytensor.tensor as pt
 import quantecon
 import scipy.linalg as sla
-from pytensor.scan.utils import until
 
 import iterops
+from iterops import reference_loops as ref
 from benchmarks._harness import Section, Target, best_time, compile_time, ms
 
 NO_ITEROPS = pytensor.compile.get_default_mode().excluding("iterops")
-
-
-def doubling_scan(A, Q, tol=1e-15, max_iter=100):
-    """The Smith doubling loop PyMC users write with ``pytensor.scan`` (quantecon's
-    ``solve_discrete_lyapunov`` runs the same iteration)."""
-
-    def step(alpha, gamma):
-        new_gamma = gamma + alpha @ gamma @ alpha.T
-        return (alpha @ alpha, new_gamma), until(pt.max(pt.abs(new_gamma - gamma)) < tol)
-
-    _, gammas = pytensor.scan(step, outputs_info=[A, Q], n_steps=max_iter, return_updates=False)
-    return gammas[-1]
 
 
 def _graph(kind, A, Q):
@@ -35,7 +23,8 @@ def _graph(kind, A, Q):
     if kind == "pt_direct":
         return pt.linalg.solve_discrete_lyapunov(A, Q, method="direct")
     if kind == "doubling_scan":
-        return doubling_scan(A, Q)
+        # the Smith doubling loop PyMC users write (quantecon runs the same iteration)
+        return ref.doubling_loop(A, Q, tol=1e-15, n_steps=100)
     raise ValueError(kind)
 
 
@@ -95,4 +84,49 @@ def run(quick: bool = False):
         if n == 50:
             grad.targets.append(Target("fwd+grad vs PyTensor built-in (bilinear), n=50", tg["pt_bilinear"] / tg["iterops"], 10.0))
         comp.targets.append(Target(f"compile time: doubling Scan / iterops, n={n}", tc["doubling_scan"] / tc["iterops"], 3.0))
-    return [fwd, grad, comp]
+    return [fwd, grad, comp, *run_dare(quick)]
+
+
+# ---------------------------------------------------------------------------
+# Discrete algebraic Riccati equation
+# ---------------------------------------------------------------------------
+
+
+def _dare_fn(kind, grad):
+    A, B, Q, R = (pt.matrix(name) for name in "ABQR")
+    solve = iterops.linalg.solve_discrete_are if kind == "iterops" else pt.linalg.solve_discrete_are
+    X = solve(A, B, Q, R)
+    outs = pytensor.grad((X**2).sum(), [A, B, Q, R]) if grad else [X]
+    f = pytensor.function([A, B, Q, R], outs)
+    f.trust_input = True
+    return f
+
+
+def run_dare(quick: bool = False):
+    """``solve_discrete_are`` vs scipy (forward) and PyTensor's built-in (forward, forward + gradient)."""
+    rng = np.random.default_rng(1)
+    sizes = [(4, 2), (20, 5)] if quick else [(4, 2), (20, 5), (50, 10)]
+    sec = Section(
+        "Discrete algebraic Riccati equation (solve_discrete_are)",
+        ["n, m", "iterops fwd (ms)", "scipy (x)", "pt built-in fwd (x)", "iterops fwd+grad (ms)", "pt built-in fwd+grad (x)"],
+        notes="Ratios are time of the alternative / time of iterops (higher is better for iterops). Random A "
+        "(entries N(0, 1/n): spectral radius about 1), dense B, SPD Q and R; gradient of sum(X**2) w.r.t. A, B, Q, R. "
+        "Regenerate: `scripts/dev bench lyapunov`.",
+    )
+    for n, m in sizes:
+        a = rng.normal(size=(n, n)) / np.sqrt(n)
+        b = rng.normal(size=(n, m))
+        q = rng.normal(size=(n, n))
+        q = q @ q.T + np.eye(n)
+        r = rng.normal(size=(m, m))
+        r = r @ r.T + np.eye(m)
+        args = (a, b, q, r)
+        np.testing.assert_allclose(_dare_fn("iterops", False)(*args)[0], sla.solve_discrete_are(*args), rtol=1e-8)
+        t_fwd = {k: best_time(_dare_fn(k, False), *args) for k in ("iterops", "pt")}
+        t_grad = {k: best_time(_dare_fn(k, True), *args) for k in ("iterops", "pt")}
+        t_scipy = best_time(sla.solve_discrete_are, *args)
+        base = t_fwd["iterops"]
+        sec.rows.append([f"{n}, {m}", ms(base), t_scipy / base, t_fwd["pt"] / base,
+                         ms(t_grad["iterops"]), t_grad["pt"] / t_grad["iterops"]])
+        sec.targets.append(Target(f"DARE forward vs scipy, n={n}", t_scipy / base, 1.0))
+    return [sec]

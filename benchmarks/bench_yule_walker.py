@@ -24,37 +24,9 @@ from statsmodels.tsa.stattools import levinson_durbin as sm_levinson_durbin
 from statsmodels.tsa.stattools import levinson_durbin_pacf as sm_levinson_durbin_pacf
 
 from benchmarks._harness import Section, Target, best_time, ms
+from iterops import reference_loops as ref
 from iterops.ts import pacf_to_ar, yule_walker
 from iterops.ts.toeplitz import toeplitz_matrix
-
-
-def _durbin_scan(acov, p):
-    """Reference: Durbin's recursion as a Scan over the order k (what users write today)."""
-    j = pt.arange(p)
-
-    def step(k, prev, v):
-        num = acov[k] - pt.sum(pt.where(j < k - 1, prev * acov[pt.maximum(k - 1 - j, 0)], 0.0))
-        kap = num / v
-        rev = prev[pt.maximum(k - 2 - j, 0)]
-        new = pt.where(j < k - 1, prev - kap * rev, pt.where(pt.eq(j, k - 1), kap, 0.0))
-        return new, v * (1 - kap**2)
-
-    phis, vs = pytensor.scan(
-        step, sequences=[pt.arange(1, p + 1)], outputs_info=[pt.zeros(p), acov[0]], return_updates=False
-    )
-    return phis[-1], vs[-1]
-
-
-def _step_up_scan(pacf, p):
-    """Reference: the step-up recursion pacf -> AR as a Scan over the order k."""
-    j = pt.arange(p)
-
-    def step(k, kap, prev):
-        rev = prev[pt.maximum(k - 2 - j, 0)]
-        return pt.where(j < k - 1, prev - kap * rev, pt.where(pt.eq(j, k - 1), kap, 0.0))
-
-    phis = pytensor.scan(step, sequences=[pt.arange(1, p + 1), pacf], outputs_info=[pt.zeros(p)], return_updates=False)
-    return phis[-1]
 
 
 def _dense_yw(acov, p):
@@ -103,7 +75,7 @@ def run(quick: bool) -> list[Section]:
         a = pt.vector("acov")
         f_ours = _with_grad(a, *yule_walker(a, p), w)
         f_dense = _with_grad(a, *_dense_yw(a, p), w, mode=_PLAIN)
-        f_scan = _with_grad(a, *_durbin_scan(a, p), w, mode=_PLAIN)
+        f_scan = _with_grad(a, *ref.levinson_loop(a, p)[:2], w, mode=_PLAIN)
         f_fwd = _fn([a], list(yule_walker(a, p)))
         ref = f_dense(acov)
         for f in (f_ours, f_scan):  # same numbers before timing
@@ -119,7 +91,7 @@ def run(quick: bool) -> list[Section]:
 
         k = pt.vector("pacf")
         g_ours = _with_grad(k, pacf_to_ar(k), None, w)
-        g_scan = _with_grad(k, _step_up_scan(k, p), None, w, mode=_PLAIN)
+        g_scan = _with_grad(k, ref.step_up_loop(k, p), None, w, mode=_PLAIN)
         g_fwd = _fn([k], pacf_to_ar(k))
         np.testing.assert_allclose(g_ours(pacf)[1], g_scan(pacf)[1], rtol=1e-6, atol=1e-9)
         t_ours, t_scan = (best_time(f, pacf, min_time=min_time, repeat=repeat) for f in (g_ours, g_scan))

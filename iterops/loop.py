@@ -580,71 +580,122 @@ def loop(step, init, xs=None, n_steps=None, *, name: str | None = None):
     """
     if not callable(step):
         raise TypeError(f"loop: step must be callable, got {step!r}")
-
-    # ---- the carry ---------------------------------------------------------
     init_leaves, init_paths, init_def = _flatten(init)
     carries = [_carry_spec(leaf, p) for leaf, p in zip(init_leaves, init_paths, strict=True)]
+    seqs, xs_def = _sequence_specs(xs)
+    n_eff = _effective_n_steps(seqs, _check_n_steps(n_steps))
+    traced = _trace_step(step, carries, init_def, seqs, xs_def)
+    if not (traced.new_carry or traced.ys or traced.has_cond):  # nothing to compute: no carry, y or break
+        final = _unflatten(init_def, [c.init for c in carries])
+        ys = _unflatten(traced.y_def, [])
+        return (final, ys, pt.as_tensor(np.array(False))) if traced.has_cond else (final, ys)
+    results, replayed = _build_scan(carries, seqs, traced, n_eff, name)
+    finals, done, ys_out = _unpack_outputs(carries, traced, results, replayed)
+    final = _unflatten(init_def, finals)
+    ys = _unflatten(traced.y_def, ys_out)
+    if traced.has_cond:
+        return final, ys, done
+    return final, ys
 
-    # ---- the sequences ------------------------------------------------------
-    seqs = []  # (tensor, taps, path, is_taps)
-    xs_def = None
-    if xs is not None:
-        xs_leaves, xs_paths, xs_def = _flatten(xs)
-        for leaf, p in zip(xs_leaves, xs_paths, strict=True):
-            leaf_in, tp = leaf, (0,)
-            if isinstance(leaf, Taps):
-                if leaf.taps is None:
-                    raise ValueError(f"loop: taps xs{p} needs explicit non-negative taps, e.g. taps=[0, 1]")
-                tp = leaf.taps
-                if not tp or any(not isinstance(k, int | np.integer) or k < 0 for k in tp) or len(set(tp)) != len(tp):
-                    raise ValueError(
-                        f"loop: taps of a sequence (xs{p}) must be distinct non-negative integers (look-ahead), "
-                        f"got {list(tp)}"
-                    )
-                tp = tuple(int(k) for k in tp)
-                leaf = leaf.x
-            s = _as_variable(leaf, f"xs{p}")
-            if not isinstance(s, TensorVariable) or s.type.ndim < 1:
-                raise ValueError(f"loop: xs{p} must be a tensor with at least one dimension to slice, got {s.type}")
-            seqs.append((s, tp, p, isinstance(leaf_in, Taps)))
 
-    # ---- n_steps --------------------------------------------------------------
-    if n_steps is not None:
-        if isinstance(n_steps, bool) or (isinstance(n_steps, int | np.integer) and n_steps < 0):
-            raise ValueError(f"loop: n_steps must be a non-negative integer, got {n_steps!r}")
-        if isinstance(n_steps, np.integer):
-            n_steps = int(n_steps)
-        if not isinstance(n_steps, int):
-            n_steps = pt.as_tensor_variable(n_steps)
-            if n_steps.type.ndim != 0 or n_steps.type.dtype not in integer_dtypes:
-                raise TypeError(f"loop: n_steps must be an integer scalar, got type {n_steps.type}")
-            try:
-                if int(pt.get_scalar_constant_value(n_steps)) < 0:
-                    raise ValueError(f"loop: n_steps must be non-negative, got {n_steps}")
-            except NotScalarConstantError:
-                pass
-    if seqs:
-        lengths = []
-        for s, tp, p, is_taps in seqs:
-            n0 = _static_len(s)
-            lengths.append((p, n0 - max(tp) if n0 is not None else s.shape[0] - max(tp)))
-        for p, n in lengths:
-            if isinstance(n, int) and n < 0:
-                raise ValueError(f"loop: xs{p} is too short for its taps")
-        n_eff = _n_steps_from(lengths, n_steps)
-    elif n_steps is None:
-        raise ValueError("loop: n_steps is required when xs is None")
-    else:
-        n_eff = n_steps
+# ---------------------------------------------------------------------------
+# The stages of loop: arguments, tracing the step, the Scan, its outputs
+# ---------------------------------------------------------------------------
 
-    # ---- trace the step once, on placeholders ---------------------------------
-    # Placeholders in Scan's inner-argument order: sequence slices, then carries.
+
+class _Seq(NamedTuple):
+    x: TensorVariable
+    taps: tuple[int, ...]  # (0,) for a plain sequence
+    path: str
+    is_taps: bool  # given as a taps(...) marker (the step receives a TapsView)
+
+
+def _sequence_specs(xs) -> tuple[list[_Seq], tuple | None]:
+    """The leaves of ``xs`` as :class:`_Seq` (validated) and the tree definition of ``xs``."""
+    if xs is None:
+        return [], None
+    seqs = []
+    xs_leaves, xs_paths, xs_def = _flatten(xs)
+    for leaf, p in zip(xs_leaves, xs_paths, strict=True):
+        leaf_in, tp = leaf, (0,)
+        if isinstance(leaf, Taps):
+            if leaf.taps is None:
+                raise ValueError(f"loop: taps xs{p} needs explicit non-negative taps, e.g. taps=[0, 1]")
+            tp = leaf.taps
+            if not tp or any(not isinstance(k, int | np.integer) or k < 0 for k in tp) or len(set(tp)) != len(tp):
+                raise ValueError(
+                    f"loop: taps of a sequence (xs{p}) must be distinct non-negative integers (look-ahead), "
+                    f"got {list(tp)}"
+                )
+            tp = tuple(int(k) for k in tp)
+            leaf = leaf.x
+        s = _as_variable(leaf, f"xs{p}")
+        if not isinstance(s, TensorVariable) or s.type.ndim < 1:
+            raise ValueError(f"loop: xs{p} must be a tensor with at least one dimension to slice, got {s.type}")
+        seqs.append(_Seq(s, tp, p, isinstance(leaf_in, Taps)))
+    return seqs, xs_def
+
+
+def _check_n_steps(n_steps):
+    """``n_steps`` as None, a non-negative int or an integer scalar tensor (errors otherwise)."""
+    if n_steps is None:
+        return None
+    if isinstance(n_steps, bool) or (isinstance(n_steps, int | np.integer) and n_steps < 0):
+        raise ValueError(f"loop: n_steps must be a non-negative integer, got {n_steps!r}")
+    if isinstance(n_steps, np.integer):
+        return int(n_steps)
+    if isinstance(n_steps, int):
+        return n_steps
+    n_steps = pt.as_tensor_variable(n_steps)
+    if n_steps.type.ndim != 0 or n_steps.type.dtype not in integer_dtypes:
+        raise TypeError(f"loop: n_steps must be an integer scalar, got type {n_steps.type}")
+    try:
+        if int(pt.get_scalar_constant_value(n_steps)) < 0:
+            raise ValueError(f"loop: n_steps must be non-negative, got {n_steps}")
+    except NotScalarConstantError:
+        pass
+    return n_steps
+
+
+def _effective_n_steps(seqs: list[_Seq], n_steps):
+    """The Scan's ``n_steps``: the given one, or the usable length of the sequences (checked to agree)."""
+    if not seqs:
+        if n_steps is None:
+            raise ValueError("loop: n_steps is required when xs is None")
+        return n_steps
+    lengths = []
+    for s in seqs:
+        n0 = _static_len(s.x)
+        lengths.append((s.path, n0 - max(s.taps) if n0 is not None else s.x.shape[0] - max(s.taps)))
+    for p, n in lengths:
+        if isinstance(n, int) and n < 0:
+            raise ValueError(f"loop: xs{p} is too short for its taps")
+    return _n_steps_from(lengths, n_steps)
+
+
+class _Traced(NamedTuple):
+    """The step traced once on placeholders (Scan's inner-argument order: sequence slices, then carries)."""
+
+    seq_args: list  # placeholders of the sequence slices
+    carry_args: list  # placeholders of the carries (each tap of a taps carry)
+    new_carry: list  # one inner output per carry leaf
+    ys: list  # the traced outputs
+    y_def: tuple  # tree definition of y
+    cond: Variable | None  # the break condition (boolean scalar), if any
+
+    @property
+    def has_cond(self) -> bool:
+        return self.cond is not None
+
+
+def _trace_step(step, carries: list[_Carry], init_def, seqs: list[_Seq], xs_def) -> _Traced:
+    """Call ``step`` on placeholders and check what it returns (structure, carry types, y, break)."""
     seq_args, carry_args = [], []
     x_leaves_step = []
-    for s, tp, p, is_taps in seqs:
-        vals = [_slice_type(s)() for _ in tp]
+    for s in seqs:
+        vals = [_slice_type(s.x)() for _ in s.taps]
         seq_args += vals
-        x_leaves_step.append(TapsView(vals, tp, f"xs{p}", False) if is_taps else vals[0])
+        x_leaves_step.append(TapsView(vals, s.taps, f"xs{s.path}", False) if s.is_taps else vals[0])
     carry_leaves_step = []
     for c in carries:
         if c.kind == "taps":
@@ -658,9 +709,15 @@ def loop(step, init, xs=None, n_steps=None, *, name: str | None = None):
     x_step = _unflatten(xs_def, x_leaves_step) if xs_def is not None else None
     carry_step = _unflatten(init_def, carry_leaves_step)
 
-    out = step(carry_step, x_step)
-    new_carry, y, cond, has_cond = _split_return(out, init_def)
+    new_carry, y, cond, has_cond = _split_return(step(carry_step, x_step), init_def)
+    new_vals = _new_carry_values(carries, carry_leaves_step, new_carry, init_def)
+    y_vals, y_def = _traced_values(y)
+    cond_var = _break_condition(cond) if has_cond else None
+    return _Traced(seq_args, carry_args, new_vals, y_vals, y_def, cond_var)
 
+
+def _new_carry_values(carries: list[_Carry], carry_leaves_step: list, new_carry, init_def) -> list[Variable]:
+    """The inner output of each carry leaf, checked to keep the leaf's type (taps: pushed exactly once)."""
     new_leaves, new_paths, new_def = _flatten(new_carry)
     assert new_def == init_def
     new_vals = []
@@ -683,7 +740,11 @@ def loop(step, init, xs=None, n_steps=None, *, name: str | None = None):
                 raise TypeError(f"loop: new_carry{p} is a taps object ({new!r}) but init{p} is not a tapped carry")
             val = _as_variable(new, f"new_carry{p}")
             new_vals.append(_check_same_type(val, c.init.type, p, "new_carry"))
+    return new_vals
 
+
+def _traced_values(y) -> tuple[list[TensorVariable], tuple]:
+    """The leaves of ``y`` as tensors (errors for taps objects and random generators), and its tree definition."""
     y_leaves, y_paths, y_def = _flatten(y, "")
     y_vals = []
     for leaf, p in zip(y_leaves, y_paths, strict=True):
@@ -698,48 +759,49 @@ def loop(step, init, xs=None, n_steps=None, *, name: str | None = None):
         if not isinstance(val, TensorVariable):
             raise TypeError(f"loop: y{p} has type {val.type}, which cannot be traced; only tensors can be traced")
         y_vals.append(val)
+    return y_vals, y_def
 
-    if has_cond:
-        c_var = _as_variable(cond, "break_cond")
-        if not isinstance(c_var, TensorVariable) or c_var.type.ndim != 0 or c_var.type.dtype not in ("bool", *integer_dtypes):
-            raise TypeError(f"loop: break_cond must be a boolean scalar, got type {c_var.type}")
-        cond_var = c_var if c_var.type.dtype == "bool" else pt.neq(c_var, 0)
-    else:
-        cond_var = None
 
-    # ---- build the Scan ---------------------------------------------------------
+def _break_condition(cond) -> TensorVariable:
+    """``break_cond`` as a boolean scalar (integers: non-zero)."""
+    c_var = _as_variable(cond, "break_cond")
+    if not isinstance(c_var, TensorVariable) or c_var.type.ndim != 0 or c_var.type.dtype not in ("bool", *integer_dtypes):
+        raise TypeError(f"loop: break_cond must be a boolean scalar, got type {c_var.type}")
+    return c_var if c_var.type.dtype == "bool" else pt.neq(c_var, 0)
+
+
+def _build_scan(carries: list[_Carry], seqs: list[_Seq], traced: _Traced, n_eff, name):
+    """``pytensor.scan`` over the traced step: ``(results, replayed)``.
+
+    Outputs in order: one per carry leaf, the ``done`` flag (with a break condition), one per
+    ``y`` leaf.  ``replayed`` holds the inner outputs of the last call of the inner function (what
+    the outputs are when PyTensor's scan replaces a single constant step by the step itself).
+    """
     outputs_info = []
     for c in carries:
         if c.kind == "taps":
             outputs_info.append({"initial": c.init, "taps": list(c.taps)})
         else:
             outputs_info.append(c.init)
-    if has_cond:
+    carry_args = list(traced.carry_args)
+    if traced.has_cond:
         outputs_info.append(pt.as_tensor(np.array(False)))  # the `done` flag
-        done_arg = pt.scalar(dtype="bool")
-        carry_args.append(done_arg)
-    outputs_info += [None] * len(y_vals)
-    inner_outs = new_vals + ([cond_var] if has_cond else []) + y_vals
-    placeholders = seq_args + carry_args
-
-    if not inner_outs:  # nothing to compute: no carry and no y
-        final = _unflatten(init_def, [c.init for c in carries])
-        ys = _unflatten(y_def, [])
-        return (final, ys, pt.as_tensor(np.array(False))) if has_cond else (final, ys)
-
+        carry_args.append(pt.scalar(dtype="bool"))
+    outputs_info += [None] * len(traced.ys)
+    cond_out = [traced.cond] if traced.has_cond else []
+    # inner outputs: new carries, `done` (= the condition), ys; then the condition again for `until`
+    inner_outs = traced.new_carry + cond_out + traced.ys + cond_out
+    placeholders = traced.seq_args + carry_args
     replayed: list = []
 
     def inner_fn(*args):
-        outs = clone_replace(
-            inner_outs + ([cond_var] if has_cond else []),
-            replace=dict(zip(placeholders, args[: len(placeholders)], strict=True)),
-        )
+        outs = clone_replace(inner_outs, replace=dict(zip(placeholders, args[: len(placeholders)], strict=True)))
         replayed[:] = outs
-        if has_cond:
+        if traced.has_cond:
             return outs[:-1], until(outs[-1])
         return outs
 
-    sequences = [s if tp == (0,) else {"input": s, "taps": list(tp)} for s, tp, _, _ in seqs]
+    sequences = [s.x if s.taps == (0,) else {"input": s.x, "taps": list(s.taps)} for s in seqs]
     results = pytensor.scan(
         inner_fn,
         sequences=sequences,
@@ -749,10 +811,15 @@ def loop(step, init, xs=None, n_steps=None, *, name: str | None = None):
         return_list=True,
         return_updates=False,
     )
+    return results, replayed
 
-    n_carry = len(carries)
+
+def _unpack_outputs(carries: list[_Carry], traced: _Traced, results: list, replayed: list):
+    """``(finals, done, ys)`` (flat) from the Scan's outputs: the last carry, the last ``done``, the traces."""
+    n_carry, has_cond = len(carries), traced.has_cond
+    n_inner = n_carry + int(has_cond) + len(traced.ys)
     scan_path = any(_scan_buffer(r) is not None or (r.owner is not None and isinstance(r.owner.op, Scan)) for r in results)
-    finals, ys_out = [], []
+    finals = []
     if scan_path:
         for c, r in zip(carries, results[:n_carry], strict=True):
             if c.kind == "untraced":
@@ -761,18 +828,12 @@ def loop(step, init, xs=None, n_steps=None, *, name: str | None = None):
                 raw = _scan_buffer(r)
                 finals.append(raw[-1] if c.kind == "state" else raw[-(-min(c.taps)) :])
         done = _scan_buffer(results[n_carry])[-1] if has_cond else None
-        ys_out = list(results[n_carry + int(has_cond) :])
-    else:  # PyTensor's scan replaces a single (constant) step by the step itself
-        for c, r in zip(carries, replayed[:n_carry], strict=True):
-            if c.kind == "taps":
-                finals.append(pt.concatenate([c.init, r[None]], axis=0)[-(-min(c.taps)) :])
-            else:
-                finals.append(r)
-        done = replayed[n_carry] if has_cond else None
-        ys_out = [pt.shape_padleft(r) for r in replayed[n_carry + int(has_cond) : len(inner_outs)]]
-
-    final = _unflatten(init_def, finals)
-    ys = _unflatten(y_def, ys_out)
-    if has_cond:
-        return final, ys, done
-    return final, ys
+        return finals, done, list(results[n_carry + int(has_cond) :])
+    # PyTensor's scan replaces a single (constant) step by the step itself
+    for c, r in zip(carries, replayed[:n_carry], strict=True):
+        if c.kind == "taps":
+            finals.append(pt.concatenate([c.init, r[None]], axis=0)[-(-min(c.taps)) :])
+        else:
+            finals.append(r)
+    done = replayed[n_carry] if has_cond else None
+    return finals, done, [pt.shape_padleft(r) for r in replayed[n_carry + int(has_cond) : n_inner]]

@@ -259,3 +259,34 @@ def levinson_loop(gamma, order, *, step=levinson_step, **scan_kwargs):
 def block_diag_backwards_loop(x, *, step=block_diag_step, **scan_kwargs):
     """:func:`block_diag_loop` with ``go_backwards=True``: the blocks are written last to first."""
     return block_diag_loop(x, step=step, go_backwards=True, **scan_kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Both states of the doubling loop; the step-up recursion (PACF -> AR coefficients)
+# ---------------------------------------------------------------------------
+
+__all__ += ["doubling_loop_states", "step_up_step", "step_up_loop"]
+
+
+def doubling_loop_states(A, Q, tol=1e-12, n_steps=100, *, step=doubling_step, **scan_kwargs):
+    """:func:`doubling_loop`, returning both final states ``(alphas[-1], gammas[-1])``."""
+    alphas, gammas = pytensor.scan(step, outputs_info=[A, Q], non_sequences=[pt.as_tensor(tol)], n_steps=n_steps,
+                                   return_updates=False, **scan_kwargs)
+    return alphas[-1], gammas[-1]
+
+
+def step_up_step(k, kappa, prev):
+    """Order ``k`` of the step-up recursion: ``phi_k = [phi_{k-1} - kappa phi_{k-1}[::-1], kappa]``, zero-padded.
+
+    Durbin's recursion driven by the partial autocorrelations (Barndorff-Nielsen & Schou 1973).
+    """
+    j = pt.arange(prev.shape[0])
+    rev = prev[pt.maximum(k - 2 - j, 0)]
+    return pt.where(j < k - 1, prev - kappa * rev, pt.where(pt.eq(j, k - 1), kappa, 0.0))
+
+
+def step_up_loop(pacf, order, *, step=step_up_step, **scan_kwargs):
+    """AR(order) coefficients from partial autocorrelations ``pacf`` (:func:`iterops.ts.pacf_to_ar`'s map)."""
+    phis = pytensor.scan(step, sequences=[pt.arange(1, order + 1), pacf], outputs_info=[pt.zeros(order)],
+                         return_updates=False, **scan_kwargs)
+    return phis[-1]

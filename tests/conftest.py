@@ -5,13 +5,24 @@
 * ``mode`` parametrizes over the linkers users meet: PyTensor's default
   (NUMBA), the C backend (CVM; in PyTensor 3.3 "FAST_RUN" means Numba too)
   and the Python one (FAST_COMPILE).
+* ``rng`` is seeded by the CRC-32 of the test's node id: the same inputs in every run, on
+  every machine.  ``ITEROPS_TEST_SEED_SALT=<text>`` salts it, to run every test on other
+  random inputs (a test that fails for some salt was passing by luck).
+* Shared helpers: input builders (``from conftest import stable, spd``), constant-graph
+  evaluation, forward-vs-reverse Jacobian checks, random stationary AR models.
 """
 
 import os
+import zlib
 
 import numpy as np
+import pytensor
+import pytensor.tensor as pt
 import pytest
 from hypothesis import HealthCheck, settings
+from pytensor.gradient import pushforward
+from statsmodels.tsa.arima_process import arma_acovf
+from statsmodels.tsa.stattools import levinson_durbin_pacf
 
 import iterops  # noqa: F401  (registers Ops and rewrites)
 
@@ -32,7 +43,57 @@ def mode(request):
     return request.param
 
 
+SEED_SALT = os.environ.get("ITEROPS_TEST_SEED_SALT", "")
+
+
 @pytest.fixture
 def rng(request):
-    # A seed per test, stable across runs.
-    return np.random.default_rng(abs(hash(request.node.nodeid)) % 2**32)
+    """A generator seeded per test, the same across runs (``hash`` is salted per process; CRC-32 is not)."""
+    return np.random.default_rng(zlib.crc32((SEED_SALT + request.node.nodeid).encode()))
+
+
+def stable(rng, n, rho, dtype="float64"):
+    """A random (n, n) matrix with spectral radius ``rho`` (complex entries for a complex dtype)."""
+    a = rng.normal(size=(n, n))
+    if np.dtype(dtype).kind == "c":
+        a = a + 1j * rng.normal(size=(n, n))
+    return (a * rho / np.max(np.abs(np.linalg.eigvals(a)))).astype(dtype)
+
+
+def spd(rng, n, dtype="float64"):
+    """A random symmetric positive-definite (n, n) matrix, eigenvalues at least ``n``."""
+    q = rng.normal(size=(n, n))
+    return (q @ q.T + n * np.eye(n)).astype(dtype)
+
+
+
+def evaluate(*outs):
+    """Evaluate constant graphs with the Python linker (whose ``perform`` runs the same Numba kernels)."""
+    res = pytensor.function([], list(outs), mode="FAST_COMPILE")()
+    return res[0] if len(outs) == 1 else res
+
+
+def jacobian_check(f_out, x, x_val, t_val, rtol=1e-8):
+    """``pushforward(f, x, t)`` (the Ops' own and PyTensor's double-pullback one) equals the reverse-mode Jacobian times ``t``."""
+    t = x.type()
+    J = pytensor.gradient.jacobian(f_out, x)
+    jvs = [pushforward(f_out, x, t, use_op_pushforward=use) for use in (True, False)]
+    fn = pytensor.function([x, t], [pt.tensordot(J, t, axes=x.ndim), *jvs], mode="FAST_COMPILE")
+    a, *bs = fn(x_val, t_val)
+    for b in bs:
+        np.testing.assert_allclose(b, a, rtol=rtol, atol=1e-10)
+
+
+def random_pacf(rng, p, bound=0.9):
+    """``p`` partial autocorrelations, uniform on ``(-bound, bound)``."""
+    return rng.uniform(-bound, bound, size=p)
+
+
+def random_ar(rng, p, bound=0.9):
+    """Coefficients of a stationary AR(p) (from :func:`random_pacf`, by statsmodels' step-up)."""
+    return levinson_durbin_pacf(np.r_[1.0, random_pacf(rng, p, bound)]).arcoefs
+
+
+def sm_acov(phi, sigma2, nlags):
+    """Autocovariances 0..nlags of the AR(p) ``phi`` with innovation variance ``sigma2`` (statsmodels)."""
+    return arma_acovf(np.r_[1.0, -np.asarray(phi)], [1.0], nobs=nlags + 1, sigma2=sigma2)

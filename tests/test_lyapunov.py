@@ -12,22 +12,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pytensor.gradient import verify_grad
 
+from conftest import spd, stable
 from iterops import solve_discrete_lyapunov
+from iterops.reference_loops import doubling_loop
 from iterops.linalg.lyapunov import DiscreteLyapunov
 
 METHODS = ["auto", "doubling", "schur"]
-
-
-def stable(rng, n, rho, dtype="float64"):
-    a = rng.normal(size=(n, n))
-    if np.dtype(dtype).kind == "c":
-        a = a + 1j * rng.normal(size=(n, n))
-    return (a * rho / np.max(np.abs(np.linalg.eigvals(a)))).astype(dtype)
-
-
-def spd(rng, n, dtype="float64"):
-    q = rng.normal(size=(n, n))
-    return (q @ q.T + n * np.eye(n)).astype(dtype)
 
 
 def rel_residual(a, q, x):
@@ -245,16 +235,8 @@ def test_pushforward_matches_finite_differences(rng):
 
 def test_gradient_against_autodiff_of_reference_scan(rng):
     """The fused gradient equals PyTensor autodiff through the doubling Scan (converged)."""
-    from pytensor.scan.utils import until
-
     A, Q = pt.matrix("A"), pt.matrix("Q")
-
-    def step(alpha, gamma):
-        new_gamma = gamma + alpha @ gamma @ alpha.T
-        return (alpha @ alpha, new_gamma), until(pt.max(pt.abs(new_gamma - gamma)) < 1e-15)
-
-    (_, gammas) = pytensor.scan(step, outputs_info=[A, Q], n_steps=60, return_updates=False)
-    ref_cost = (gammas[-1] ** 2).sum()
+    ref_cost = (doubling_loop(A, Q, tol=1e-15, n_steps=60) ** 2).sum()
     cost = (solve_discrete_lyapunov(A, Q) ** 2).sum()
     f = pytensor.function([A, Q], pytensor.grad(cost, [A, Q]))
     # The reference Scan runs in the Python linker without iterops' rewrites:

@@ -4,7 +4,6 @@ Oracle: the user's Scan and ``pytensor.grad`` through it, compiled with iterops'
 rewrites excluded, plus finite differences (``verify_grad``) and dense formulas.
 """
 
-import zlib
 from functools import cache
 
 import numpy as np
@@ -17,16 +16,12 @@ from pytensor.gradient import DisconnectedInputError, verify_grad
 from pytensor.scan.op import Scan
 from pytensor.scan.utils import until
 
+from conftest import spd, stable
+from iterops import reference_loops as ref
 from iterops.linalg import lyapunov_fixed_point_loop, smith_doubling_loop
 
 REF_MODE = pytensor.compile.get_default_mode().excluding("iterops")
 STOPS = ["max_lt", "max_le", "fro_lt", None]
-
-
-@pytest.fixture
-def rng(request):
-    """A fixed seed per test (conftest's hashes the node id with Python's salted ``hash``)."""
-    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 # ---------------------------------------------------------------------------
 # The user's loops (oracle) and the fused functions under test
@@ -41,31 +36,29 @@ STOP_RULES = {
 
 
 def scan_doubling(A, Q, tol, n_steps, stop):
+    """The user's doubling Scan (:func:`iterops.reference_loops.doubling_loop`) with the stop rule ``stop``."""
     rule = STOP_RULES[stop]
 
     def step(alpha, gamma, tol):
-        new_gamma = gamma + alpha @ gamma @ alpha.T
+        (alpha_new, gamma_new), _ = ref.doubling_step(alpha, gamma, tol)
         if rule is None:
-            return alpha @ alpha, new_gamma
-        return (alpha @ alpha, new_gamma), until(rule(new_gamma, gamma, tol))
+            return alpha_new, gamma_new
+        return (alpha_new, gamma_new), until(rule(gamma_new, gamma, tol))
 
-    alphas, gammas = pytensor.scan(
-        step, outputs_info=[A, Q], non_sequences=[tol], n_steps=n_steps, return_updates=False
-    )
-    return alphas[-1], gammas[-1]
+    return ref.doubling_loop_states(A, Q, tol, n_steps, step=step)
 
 
 def scan_fixed_point(A, Q, X0, tol, n_steps, stop):
+    """The user's fixed-point Scan (:func:`iterops.reference_loops.fixed_point_loop`) with the stop rule ``stop``."""
     rule = STOP_RULES[stop]
 
     def step(X, A, Q, tol):
-        X_new = A @ X @ A.T + Q
+        X_new, _ = ref.fixed_point_step(X, A, Q, tol)
         if rule is None:
             return X_new
         return X_new, until(rule(X_new, X, tol))
 
-    Xs = pytensor.scan(step, outputs_info=[X0], non_sequences=[A, Q, tol], n_steps=n_steps, return_updates=False)
-    return Xs[-1]
+    return ref.fixed_point_loop(A, Q, X0, tol, n_steps, step=step)
 
 
 @cache
@@ -122,16 +115,6 @@ def check_fixed_point(a, q, x0, tol, n_steps, stop, rtol=1e-11, rng=None, mode=N
     ref = fixed_point_fn("scan", stop, a.dtype.name)
     for name, x, y in zip(("X", "dA", "dQ", "dX0"), fused(*args), ref(*args)):
         assert_close(x, y, rtol, name)
-
-
-def stable(rng, m, rho):
-    a = rng.normal(size=(m, m))
-    return a * rho / np.max(np.abs(np.linalg.eigvals(a)))
-
-
-def spd(rng, m):
-    q = rng.normal(size=(m, m))
-    return q @ q.T + np.eye(m)
 
 
 # ---------------------------------------------------------------------------

@@ -72,6 +72,7 @@ from iterops._fused import (
     F64P, FusedOp, OpaqueKernel, apply_batched, data_ptr, entry_point, keep_alive, register_fused_op,
 )
 from iterops._implicit import implicit_pullback, implicit_pushforward
+from iterops._linalg_kernels import mm
 from iterops._validate import as_tensor, check_dim_match, check_square, float_dtype
 
 __all__ = ["solve_discrete_lyapunov", "DiscreteLyapunov", "lyapunov_kernel"]
@@ -88,25 +89,6 @@ _ON_FAILURE = ("nan", "raise")
 def _ct(M):
     """Conjugate transpose, contiguous."""
     return np.ascontiguousarray(M.conj().T)
-
-
-_SMALL = 10  # below this n, plain loops beat a BLAS call (no call overhead, no allocation)
-
-
-@numba.njit(cache=True)
-def _mm(a, b):
-    """Matrix product; hand-written loops for small matrices, BLAS otherwise."""
-    n, k = a.shape
-    m = b.shape[1]
-    if n > _SMALL or m > _SMALL or k > _SMALL:
-        return np.ascontiguousarray(a) @ np.ascontiguousarray(b)
-    out = np.zeros((n, m), dtype=a.dtype)
-    for i in range(n):
-        for l in range(k):
-            ail = a[i, l]
-            for j in range(m):
-                out[i, j] += ail * b[l, j]
-    return out
 
 
 @numba.njit(cache=True)
@@ -126,7 +108,7 @@ def _doubling(A, Q, tol, max_iter):
     alpha = np.ascontiguousarray(A)
     gamma = np.ascontiguousarray(Q).copy()
     for _ in range(max_iter):
-        term = _mm(_mm(alpha, gamma), _ct(alpha))
+        term = mm(mm(alpha, gamma), _ct(alpha))
         done = True
         for i in range(n):
             for j in range(n):
@@ -139,7 +121,7 @@ def _doubling(A, Q, tol, max_iter):
                     done = False
         if done:
             return gamma, True
-        alpha = _mm(alpha, alpha)
+        alpha = mm(alpha, alpha)
     return gamma, False
 
 
@@ -195,7 +177,7 @@ def _as_dtype_of_impl(Z, like):
 
 @numba.njit(cache=True)
 def _relative_residual(A, Q, X):
-    R = _mm(_mm(A, X), _ct(A)) - X + Q
+    R = mm(mm(A, X), _ct(A)) - X + Q
     nA = np.max(np.abs(A))
     nX = np.max(np.abs(X))
     return np.max(np.abs(R)) / max(nA * nA * nX + nX + np.max(np.abs(Q)), 1e-300)

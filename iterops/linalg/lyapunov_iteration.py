@@ -97,6 +97,13 @@ def _mm(X, Y, out, tX=False, tY=False, accumulate=False):
     Plain loops summed in ``out``'s dtype (``X``, ``Y`` may be narrower: their entries are
     upcast exactly, as PyTensor's ``Dot`` does).  Sized for the small state dimensions of
     these loops; no BLAS call, so kernels stay quick to compile.
+
+    Why not the shared :func:`iterops._linalg_kernels.matmul`: these Ops reproduce the user's
+    loop *in the loop's dtype*, and ``matmul`` accumulates in float64 (a float32 loop would be
+    summed more precisely than the Scan sums it) and switches to BLAS above
+    :data:`~iterops._linalg_kernels.SMALL` (a different summation order for larger ``m``).
+    The solver kernels (:mod:`iterops.linalg.lyapunov`, the Kalman filter) compute in
+    float64 and use the shared helper.
     """
     n = X.shape[1] if tX else X.shape[0]
     k = X.shape[0] if tX else X.shape[1]

@@ -25,7 +25,11 @@ Gradients (exact, composed from public functions so batching works):
 ``phi`` by the implicit function theorem on ``F(phi; gamma) = Gamma_p phi -
 gamma_{1:p}`` (adjoint: a symmetric Toeplitz solve, :func:`solve_toeplitz`);
 ``sigma2 = gamma_0 - gamma_{1:p}^T phi`` directly; ``pacf = ar_to_pacf(phi)``
-through the adjoint of :func:`ar_to_pacf`.  Forward mode likewise.
+through the adjoint of :func:`ar_to_pacf`.  Forward mode likewise.  The ``phi`` part is
+written by hand rather than through :func:`iterops._implicit.implicit_pullback` for the reason
+given in :mod:`iterops.ts.toeplitz` (the residual's autodiff would form the ``p x p`` Toeplitz
+matrix, or go through a convolution whose pullback does not vectorize under ``Blockwise``); it
+uses the same structured adjoint, :func:`~iterops.ts.toeplitz.outer_diagonal_sums`.
 """
 
 from __future__ import annotations

@@ -13,18 +13,9 @@ carried as a zero-padded vector of length ``p`` and ``k = 0..p-1``:
 
 with :math:`\phi^{(0)} = 0`, :math:`v_0 = \gamma_0`; outputs
 ``phi = phi^(p)``, ``sigma2 = v_p`` and ``kappa = (kappa_0..kappa_{p-1})``.
-The loop (what the Scan-fusion rewrite replaces)::
-
-    def step(k, phi, v, gamma):
-        kappa = (gamma[k + 1] - pt.sum(phi[:k] * gamma[1:k + 1][::-1])) / v
-        new_phi = pt.set_subtensor(phi[:k], phi[:k] - kappa * phi[:k][::-1])
-        new_phi = pt.set_subtensor(new_phi[k], kappa)
-        return new_phi, v * (1 - kappa**2), kappa
-
-    (phis, vs, kappas) = pytensor.scan(step, sequences=[pt.arange(p)],
-                                       outputs_info=[pt.zeros(p, dtype=gamma.dtype), gamma[0], None],
-                                       non_sequences=[gamma], return_updates=False)
-    phi, sigma2, pacf = phis[-1], vs[-1], kappas
+The loop (what the Scan-fusion rewrite replaces) is
+:func:`iterops.reference_loops.levinson_loop` with :func:`~iterops.reference_loops.levinson_step`
+(written out in :func:`levinson_recursion`'s docstring).
 
 The kernel performs the same floating-point operations in the same order
 (inner product summed over ascending ``j``; ``kappa = (gamma[k+1] - acc) / v``;

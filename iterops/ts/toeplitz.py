@@ -35,6 +35,15 @@ cotangents are the sums along the diagonals of :math:`\bar T = -\lambda x^T`
 (:func:`outer_diagonal_sums`, a 1-d cross-correlation; ``r[0]`` gets none).  Forward mode:
 :math:`\dot x = T^{-1}(\dot b - \dot T x)`.  Both are written with this Op and
 plain PyTensor reshapes, so batched and higher derivatives compose.
+
+Why the ``c``/``r`` cotangents are written here and not through
+:func:`iterops._implicit.implicit_pullback` (which the adjoint solve would fit): that helper
+gets them from PyTensor's autodiff of the residual ``T(c, r) x - b``.  With a dense
+``toeplitz_matrix(c, r) @ x`` that builds an ``n x n`` matrix and scatters its cotangent onto the
+diagonals with advanced indexing, O(n^2) memory per batch member; with ``T x`` as a convolution,
+PyTensor 3.3's ``Convolve1d`` pullback does not vectorize under ``Blockwise`` (batched gradients
+fail at run time with a broadcasting error).  :func:`outer_diagonal_sums` is the structured
+adjoint: one cross-correlation, O(n^2 k) time, O(n k) memory.
 """
 
 from __future__ import annotations
@@ -162,7 +171,10 @@ class SolveToeplitz(FusedOp):
         c_bar = S[n - 1 :]  # diagonals i - j = k >= 0
         # i - j = -k for r[k]; r[0] unused.  ``[:n]``: length n also for n = 0
         r_bar = pt.concatenate([pt.zeros((1,), dtype=S.dtype), S[: n - 1][::-1]])[:n]
-        return [c_bar, r_bar, lam]
+        # b_bar is lam itself, an intermediate of c_bar and r_bar too: PyTensor's double-pullback
+        # pushforward (batched forward mode) overrides instead of accumulating such shared
+        # cotangents, so hand out a distinct variable (as iterops._implicit.implicit_pullback does)
+        return [c_bar, r_bar, pt.tensor_copy(lam)]
 
     def pushforward(self, inputs, outputs, tangents):
         c, r, b = inputs

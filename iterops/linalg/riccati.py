@@ -1,0 +1,371 @@
+r"""Discrete algebraic Riccati equation: one fused Numba kernel, implicit gradients.
+
+Solves, for the stabilising solution ``X``,
+
+.. math::  X = A^T X A - A^T X B (R + B^T X B)^{-1} B^T X A + Q
+
+(the convention of :func:`scipy.linalg.solve_discrete_are`).  ``X`` is the
+steady-state predicted covariance of a Kalman filter for ``x_{t+1} = F x_t + w_t``,
+``y_t = H x_t + v_t`` with ``A = F^T``, ``B = H^T``, ``Q = Cov(w)``, ``R = Cov(v)``
+(and the cost-to-go of the infinite-horizon LQR problem with ``A``, ``B``, ``Q``, ``R``).
+``Q`` and ``R`` enter through their symmetric parts ``(Q + Q^T) / 2``, ``(R + R^T) / 2``.
+*Stabilising* means that the closed-loop matrix ``A - B K``,
+``K = (R + B^T X B)^{-1} B^T X A``, has spectral radius below one.
+
+Algorithm: the structure-preserving doubling algorithm (SDA; Chu, Fan & Lin 2005,
+"A structure-preserving doubling algorithm for continuous-time algebraic Riccati
+equations", and Lin & Xu 2006 for the discrete case), with ``A_0 = A``,
+``G_0 = B R^{-1} B^T``, ``H_0 = Q``::
+
+    W_k     = I + G_k H_k
+    A_{k+1} = A_k W_k^{-1} A_k
+    G_{k+1} = G_k + A_k W_k^{-1} G_k A_k^T
+    H_{k+1} = H_k + A_k^T H_k W_k^{-1} A_k
+
+``H_k`` converges quadratically to ``X`` (the error falls like
+``rho(A - B K)^(2^(k+1))``), ``A_k`` to zero.  It stops when
+``max|H_{k+1} - H_k| <= tol * max|H_{k+1}|``.  The iteration is the Riccati analogue of
+Smith's doubling for the Lyapunov equation (:mod:`iterops.linalg.lyapunov`), which is
+the case ``B = 0`` (then ``X = A^T X A + Q``).
+
+Failure is a value: an all-NaN ``X`` when an input is not finite, ``R`` or a
+``W_k`` is singular, the iteration does not converge within ``max_iter`` steps,
+the relative residual of the result exceeds ``1e-8``, or the result is not stabilising
+(``rho(A - B K) >= 1``: no stabilising solution, e.g. an unstable mode of ``A`` that
+``B`` cannot reach).  The kernel never raises.
+
+Precision: computed in float64; float32 (and integer) inputs give a result in
+``floatX`` / float32 as :func:`iterops._validate.float_dtype` says.  Complex inputs are
+rejected when the graph is built.
+
+Gradients (implicit function theorem on the residual
+``F(X; A, B, Q, R) = A^T X A - A^T X B (R + B^T X B)^{-1} B^T X A + Q - X``): its
+derivative in ``X`` at the solution is ``dX -> A_c^T dX A_c - dX`` with
+``A_c = A - B K`` (e.g. Kao & Hennequin 2020 for the Lyapunov family; the same
+calculation as PyTensor's ``SolveDiscreteARE`` gradient), so the adjoint ``S`` solves
+the discrete *Lyapunov* equation
+
+.. math::  A_c S A_c^T - S + \bar X = 0 ,
+
+computed with :func:`iterops.solve_discrete_lyapunov`; the cotangents of ``A``, ``B``,
+``Q``, ``R`` are the vector-Jacobian product of ``F`` with ``S``
+(:func:`iterops._implicit.implicit_pullback`).  Forward mode likewise
+(:func:`iterops._implicit.implicit_pushforward`, ``A_c^T dX A_c - dX = -dF``).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import types
+import pytensor.tensor as pt
+from pytensor.graph.basic import Apply
+from pytensor.tensor.variable import TensorVariable
+
+from iterops._fused import (
+    F64P, FusedOp, OpaqueKernel, apply_batched, data_ptr, entry_point, keep_alive, register_fused_op,
+)
+from iterops._implicit import implicit_pullback, implicit_pushforward
+from iterops._linalg_kernels import mm, sym_inplace
+from iterops._validate import as_tensor, check_dim_match, check_square, float_dtype
+from iterops.linalg.lyapunov import solve_discrete_lyapunov
+
+__all__ = ["solve_discrete_are", "DiscreteARE", "dare_kernel"]
+
+#: failure thresholds of the a-posteriori checks
+_MAX_RELATIVE_RESIDUAL = 1e-8
+
+# ---------------------------------------------------------------------------
+# Kernel (the single implementation)
+# ---------------------------------------------------------------------------
+
+
+@numba.njit(cache=True)
+def _lu_solve(M, B):
+    """``(M^{-1} B, ok)`` by LU with partial pivoting; ``ok`` False for a zero or non-finite pivot.
+
+    A failure-as-a-value solve (``np.linalg.solve`` raises on a singular matrix).  ``M`` (n, n),
+    ``B`` (n, k), both float64; neither is modified.
+    """
+    n, k = B.shape
+    LU = M.copy()
+    X = B.copy()
+    for c in range(n):
+        p, big = c, np.abs(LU[c, c])
+        for i in range(c + 1, n):
+            if np.abs(LU[i, c]) > big:
+                p, big = i, np.abs(LU[i, c])
+        if not (big > 0.0) or not np.isfinite(big):
+            return X, False
+        if p != c:
+            for j in range(n):
+                LU[c, j], LU[p, j] = LU[p, j], LU[c, j]
+            for j in range(k):
+                X[c, j], X[p, j] = X[p, j], X[c, j]
+        for i in range(c + 1, n):
+            f = LU[i, c] / LU[c, c]
+            for j in range(c + 1, n):
+                LU[i, j] -= f * LU[c, j]
+            for j in range(k):
+                X[i, j] -= f * X[c, j]
+    for i in range(n - 1, -1, -1):
+        for j in range(k):
+            s = X[i, j]
+            for l in range(i + 1, n):
+                s -= LU[i, l] * X[l, j]
+            X[i, j] = s / LU[i, i]
+    return X, True
+
+
+@numba.njit(cache=True)
+def _sda_step(Ak, Gk, Hk):
+    """One doubling step ``(A_k, G_k, H_k) -> (A_{k+1}, G_{k+1}, H_{k+1}, ok)`` (module docstring)."""
+    n = Ak.shape[0]
+    W = mm(Gk, Hk)
+    for i in range(n):
+        W[i, i] += 1.0
+    rhs = np.empty((n, 2 * n))
+    rhs[:, :n] = Ak
+    rhs[:, n:] = Gk
+    S, ok = _lu_solve(W, rhs)  # [W^{-1} A_k, W^{-1} G_k]
+    WA = np.ascontiguousarray(S[:, :n])
+    WG = np.ascontiguousarray(S[:, n:])
+    A_new = mm(Ak, WA)
+    G_new = Gk + mm(mm(Ak, WG), np.ascontiguousarray(Ak.T))
+    H_new = Hk + mm(np.ascontiguousarray(Ak.T), mm(Hk, WA))
+    sym_inplace(G_new)
+    sym_inplace(H_new)
+    return A_new, G_new, H_new, ok
+
+
+@numba.njit(cache=True)
+def _sda(A, G, H, tol, max_iter):
+    """Run the doubling from ``(A, G, H)``: ``(X, converged)``."""
+    Ak, Gk, Hk = A.copy(), G.copy(), H.copy()
+    for _ in range(max_iter):
+        Ak, Gk, H_new, ok = _sda_step(Ak, Gk, Hk)
+        if not ok or not np.all(np.isfinite(H_new)):
+            return H_new, False
+        change = np.max(np.abs(H_new - Hk))
+        Hk = H_new
+        if change <= tol * np.max(np.abs(Hk)):
+            return Hk, True
+    return Hk, False
+
+
+@numba.njit(cache=True)
+def _gain_and_residual(A, B, Q, R, X):
+    """``(A - B K, relative residual, ok)`` for a candidate ``X``, ``K = (R + B^T X B)^{-1} B^T X A``."""
+    XA = mm(X, A)
+    XB = mm(X, B)
+    Bt = np.ascontiguousarray(B.T)
+    M = R + mm(Bt, XB)
+    K, ok = _lu_solve(M, mm(Bt, XA))
+    At = np.ascontiguousarray(A.T)
+    Res = mm(At, XA) - mm(mm(At, XB), K) + Q - X
+    scale = np.max(np.abs(X)) + np.max(np.abs(Q)) + 1e-300
+    return A - mm(B, K), np.max(np.abs(Res)) / scale, ok
+
+
+@numba.njit(cache=True)
+def dare_kernel(A, B, Q, R, tol, max_iter):
+    """Stabilising solution of the DARE for one system; ``(X, ok)``, ``X`` all-NaN when not ok.
+
+    ``A`` (n, n), ``B`` (n, m), ``Q`` (n, n), ``R`` (m, m), float64; ``Q`` and ``R`` are
+    used through their symmetric parts.  ``tol <= 0`` means ``1e2 * eps``.
+    """
+    n, m = B.shape
+    X = np.full((n, n), np.nan)
+    if n == 0:
+        return X, True
+    if not (np.all(np.isfinite(A)) and np.all(np.isfinite(B)) and np.all(np.isfinite(Q)) and np.all(np.isfinite(R))):
+        return X, False
+    if tol <= 0.0:
+        tol = 1e2 * np.finfo(np.float64).eps
+    Qs = 0.5 * (Q + Q.T)
+    Rs = 0.5 * (R + R.T)
+    RinvBt, ok = _lu_solve(Rs, np.ascontiguousarray(B.T))  # G_0 = B R^{-1} B^T
+    if not ok:
+        return X, False
+    G = mm(B, RinvBt)
+    sym_inplace(G)
+    Xs, conv = _sda(np.ascontiguousarray(A), G, Qs, tol, max_iter)
+    if not conv:
+        return X, False
+    Acl, rel_res, ok = _gain_and_residual(np.ascontiguousarray(A), np.ascontiguousarray(B), Qs, Rs, Xs)
+    if not ok or not (rel_res <= _MAX_RELATIVE_RESIDUAL):
+        return X, False
+    if np.max(np.abs(np.linalg.eigvals(Acl.astype(np.complex128)))) >= 1.0:
+        return X, False  # converged to a solution that is not the stabilising one
+    return Xs, True
+
+
+# ---------------------------------------------------------------------------
+# Op
+# ---------------------------------------------------------------------------
+
+
+def _dare_abi(A, B, Q, R, X, n, m, tol, max_iter):
+    """C-ABI barrier around :func:`dare_kernel` (see :class:`iterops._fused.OpaqueKernel`): writes X,
+    returns 1 if solved.  Called directly, the kernel (LU solves, an eigenvalue check) would be
+    compiled into every new graph again: about 9 CPU-s per graph instead of about 1."""
+    Xs, ok = dare_kernel(
+        numba.carray(A, (n, n)), numba.carray(B, (n, m)), numba.carray(Q, (n, n)), numba.carray(R, (m, m)),
+        tol, max_iter,
+    )
+    numba.carray(X, (n, n))[:] = Xs
+    return 1 if ok else 0
+
+
+_ABI = OpaqueKernel(types.int64(F64P, F64P, F64P, F64P, F64P, types.int64, types.int64, types.float64, types.int64), _dare_abi)
+
+
+@entry_point
+def _dare_entry(out_dtype: str, tol: float, max_iter: int):
+    out = np.dtype(out_dtype).type
+    abi = _ABI.external
+
+    @numba.njit
+    def solve(A, B, Q, R):
+        n, m = B.shape
+        if A.shape != (n, n) or Q.shape != (n, n) or R.shape != (m, m):
+            raise ValueError("solve_discrete_are: shapes must be A (n, n), B (n, m), Q (n, n), R (m, m)")
+        A_ = np.ascontiguousarray(A.astype(np.float64))
+        B_ = np.ascontiguousarray(B.astype(np.float64))
+        Q_ = np.ascontiguousarray(Q.astype(np.float64))
+        R_ = np.ascontiguousarray(R.astype(np.float64))
+        X = np.empty((n, n))
+        abi(data_ptr(A_), data_ptr(B_), data_ptr(Q_), data_ptr(R_), data_ptr(X), n, m, tol, max_iter)
+        keep_alive((A_, B_, Q_, R_, X))
+        return X.astype(out)
+
+    return solve
+
+
+@register_fused_op
+class DiscreteARE(FusedOp):
+    """Core Op ``(n,n),(n,m),(n,n),(m,m)->(n,n)``: (A, B, Q, R) -> X; use :func:`solve_discrete_are`."""
+
+    __props__ = ("tol", "max_iter")
+    gufunc_signature = "(n,n),(n,m),(n,n),(m,m)->(n,n)"
+
+    def __init__(self, tol=0.0, max_iter=100):
+        self.tol = float(tol)
+        self.max_iter = int(max_iter)
+
+    def make_node(self, A, B, Q, R):
+        A, B, Q, R = (pt.as_tensor_variable(v) for v in (A, B, Q, R))
+        n = next((s for s in (A.type.shape[-1], B.type.shape[-2], Q.type.shape[-1]) if s is not None), None)
+        X = pt.tensor(dtype=float_dtype(A, B, Q, R), shape=(n, n))
+        return Apply(self, [A, B, Q, R], [X])
+
+    def infer_shape(self, node, input_shapes):
+        return [input_shapes[0]]
+
+    def numba_fn(self, node):
+        return _dare_entry(node.outputs[0].type.dtype, self.tol, self.max_iter)
+
+    def pullback(self, inputs, outputs, cotangents):
+        A, B, Q, R = inputs
+        (X,) = outputs
+        (X_bar,) = cotangents
+        Acl = _closed_loop(X, A, B, R)
+        # (dF/dX)^T S = rhs  <=>  A_c S A_c^T - S = rhs  <=>  S = lyap(A_c, -rhs)
+        return implicit_pullback(
+            _residual, X, [A, B, Q, R], X_bar, solve_adjoint=lambda rhs: solve_discrete_lyapunov(Acl, -rhs)
+        )
+
+    def pushforward(self, inputs, outputs, tangents):
+        A, B, Q, R = inputs
+        (X,) = outputs
+        Acl = _closed_loop(X, A, B, R)
+        # (dF/dX) y = rhs  <=>  A_c^T y A_c - y = rhs  <=>  y = lyap(A_c^T, -rhs)
+        return [
+            implicit_pushforward(
+                _residual, X, [A, B, Q, R], tangents, solve_tangent=lambda rhs: solve_discrete_lyapunov(Acl.mT, -rhs)
+            )
+        ]
+
+
+def _sym(M):
+    return 0.5 * (M + M.mT)
+
+
+def _residual(X, A, B, Q, R):
+    """F(X; A, B, Q, R) = A^T X A - A^T X B (R + B^T X B)^{-1} B^T X A + Q - X (symmetric parts of Q, R)."""
+    XA = X @ A
+    gain = pt.linalg.solve(_sym(R) + B.mT @ X @ B, B.mT @ XA)
+    return A.mT @ XA - A.mT @ X @ B @ gain + _sym(Q) - X
+
+
+def _closed_loop(X, A, B, R):
+    """A_c = A - B K, K = (R + B^T X B)^{-1} B^T X A."""
+    return A - B @ pt.linalg.solve(_sym(R) + B.mT @ X @ B, B.mT @ X @ A)
+
+
+# ---------------------------------------------------------------------------
+# Public function
+# ---------------------------------------------------------------------------
+
+
+def solve_discrete_are(A, B, Q, R, *, tol: float | None = None, max_iter: int = 100) -> TensorVariable:
+    r"""Stabilising solution of :math:`X = A^T X A - A^T X B (R + B^T X B)^{-1} B^T X A + Q`.
+
+    One fused Numba kernel (structure-preserving doubling); gradients by the
+    implicit function theorem (an adjoint discrete Lyapunov solve).
+
+    Parameters
+    ----------
+    A : tensor, shape (..., n, n)
+    B : tensor, shape (..., n, m)
+    Q : tensor, shape (..., n, n)
+        Symmetric (its symmetric part is used), typically positive semi-definite.
+    R : tensor, shape (..., m, m)
+        Symmetric (its symmetric part is used), non-singular, typically positive definite.
+        Leading dimensions of all four broadcast.  Real float or integer dtypes.
+    tol : float, optional
+        Relative stopping tolerance of the doubling (``max|H_{k+1} - H_k| <= tol max|H_{k+1}|``);
+        ``1e2 * eps`` by default.
+    max_iter : int
+        Maximum doubling steps (each doubles the horizon summed).
+
+    Returns
+    -------
+    X : tensor, shape (broadcast(...), n, n)
+        Symmetric.  All-NaN where there is no stabilising solution, ``R`` is
+        singular, the doubling did not converge or an input is not finite.
+
+    Replaces the Scan users write to iterate the Riccati recursion of a Kalman
+    filter's predicted covariance to its steady state::
+
+        def step(P, A, B, Q, R):
+            K = pt.linalg.solve(R + B.T @ P @ B, B.T @ P @ A)
+            P_new = A.T @ P @ A - A.T @ P @ B @ K + Q
+            return P_new, until(pt.max(pt.abs(P_new - P)) < tol)
+        Ps, _ = pytensor.scan(step, outputs_info=[Q], non_sequences=[A, B, Q, R], n_steps=10_000)
+        X = Ps[-1]
+
+    Examples
+    --------
+    >>> import numpy as np, iterops
+    >>> A = np.array([[1.0, 1.0], [0.0, 1.0]]); B = np.array([[0.0], [1.0]])
+    >>> iterops.linalg.solve_discrete_are(A, B, np.eye(2), np.eye(1)).eval().round(4)  # = scipy's
+    array([[2.9471, 2.3692],
+           [2.3692, 4.6131]])
+    """
+    func = "solve_discrete_are"
+    if int(max_iter) < 1:
+        raise ValueError(f"{func}: max_iter must be >= 1, got {max_iter}")
+    if tol is not None and not (float(tol) >= 0.0):
+        raise ValueError(f"{func}: tol must be >= 0, got {tol}")
+    A, B, Q, R = (as_tensor(func, name, v, min_ndim=2) for name, v in (("A", A), ("B", B), ("Q", Q), ("R", R)))
+    for name, v in (("A", A), ("B", B), ("Q", Q), ("R", R)):
+        if v.type.numpy_dtype.kind == "c":
+            raise TypeError(f"{func}: complex {name} is not supported, got {name} with dtype {v.type.dtype}")
+    for name, v in (("A", A), ("Q", Q), ("R", R)):
+        check_square(func, name, v)
+    n_msg = "A, B and Q must have the same n (A, Q: (n, n); B: (n, m))"
+    check_dim_match(func, "A", A.type.shape[-1], "B", B.type.shape[-2], n_msg)
+    check_dim_match(func, "A", A.type.shape[-1], "Q", Q.type.shape[-1], n_msg)
+    check_dim_match(func, "B", B.type.shape[-1], "R", R.type.shape[-1], "R must be (m, m) for B of shape (n, m)")
+    return apply_batched(DiscreteARE(tol=tol or 0.0, max_iter=max_iter), A, B, Q, R)

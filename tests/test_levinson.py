@@ -1,0 +1,148 @@
+"""levinson_durbin, yule_walker, acovf (iterops.ts.levinson) against statsmodels, dense solves and finite differences."""
+
+import warnings
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+import scipy.linalg as sl
+from pytensor.gradient import verify_grad
+from statsmodels.regression.linear_model import yule_walker as sm_yule_walker
+from statsmodels.tsa.stattools import acovf as sm_acovf
+from statsmodels.tsa.stattools import levinson_durbin as sm_levinson_durbin
+
+from conftest import evaluate, jacobian_check, random_ar, sm_acov
+import iterops
+from iterops.ts import acovf, levinson_durbin, yule_walker
+
+ATOL = 1e-10
+# Gradient and batching checks compile many small graphs: use the Python linker (whose perform
+# runs the same Numba kernels); every linker is covered by the ``mode``-parametrized tests.
+FAST = "FAST_COMPILE"
+
+
+# ---------------------------------------------------------------------------
+# levinson_durbin, yule_walker, acovf
+# ---------------------------------------------------------------------------
+
+
+def test_levinson_durbin_matches_statsmodels_every_linker(mode, rng):
+    phi = random_ar(rng, 4)
+    acov = sm_acov(phi, 1.7, 6) + np.r_[0.05, np.zeros(6)]  # a generic PD sequence, not exactly AR(4)
+    a = pt.vector("acov")
+    res = levinson_durbin(a, 5)
+    fn = pytensor.function([a], list(res) + list(yule_walker(a, 3)), mode=mode)
+    ar, sigma2, pacf, phi3, s3 = fn(acov)
+    sm = sm_levinson_durbin(acov, nlags=5, isacov=True)
+    np.testing.assert_allclose(ar, sm.arcoefs, atol=ATOL)
+    np.testing.assert_allclose(sigma2, sm.sigma_v, atol=ATOL)
+    np.testing.assert_allclose(pacf, sm.pacf[1:], atol=ATOL)
+    sm3 = sm_levinson_durbin(acov, nlags=3, isacov=True)
+    np.testing.assert_allclose(phi3, sm3.arcoefs, atol=ATOL)
+    np.testing.assert_allclose(s3, sm3.sigma_v, atol=ATOL)
+    # the Yule-Walker equations themselves
+    np.testing.assert_allclose(sl.toeplitz(acov[:5]) @ ar, acov[1:6], atol=1e-10)
+
+
+@pytest.mark.parametrize("method", ["mle", "adjusted"])
+def test_yule_walker_of_acovf_matches_statsmodels(method, rng):
+    x = rng.normal(size=80).cumsum() * 0.2 + rng.normal(size=80)
+    xv = pt.vector("x")
+    order = 4
+    phi, sigma2 = yule_walker(acovf(xv, order, adjusted=method == "adjusted"), order)
+    got_phi, got_s2 = pytensor.function([xv], [phi, sigma2], mode=FAST)(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        rho, sigma = sm_yule_walker(x, order, method=method)
+    np.testing.assert_allclose(got_phi, rho, atol=1e-10)
+    np.testing.assert_allclose(got_s2, sigma**2, atol=1e-10)
+
+
+@pytest.mark.parametrize("demean", [True, False])
+@pytest.mark.parametrize("adjusted", [True, False])
+def test_acovf_matches_statsmodels(demean, adjusted, rng):
+    x = rng.normal(size=(2, 30)) + 0.5
+    got = evaluate(acovf(x, 7, demean=demean, adjusted=adjusted))
+    for i in range(2):
+        want = sm_acovf(x[i], nlag=7, demean=demean, adjusted=adjusted, fft=False)
+        np.testing.assert_allclose(got[i], want, atol=1e-12)
+
+
+def test_acovf_grad(rng):
+    x = rng.normal(size=12)
+    verify_grad(lambda x: acovf(x, 5), [x], rng=rng, mode=FAST)
+    verify_grad(lambda x: acovf(x, 11, adjusted=True, demean=False), [x], rng=rng, mode=FAST)
+    verify_grad(lambda x: yule_walker(acovf(x, 3), 3)[0], [x], rng=rng, mode=FAST)
+
+
+def test_levinson_durbin_batched_vs_looped(rng):
+    acovs = np.stack([sm_acov(random_ar(rng, 3), s, 5) for s in (0.5, 1.0, 2.0)])
+    ar, sigma2, pacf = evaluate(*levinson_durbin(acovs, 4))
+    for i in range(3):
+        sm = sm_levinson_durbin(acovs[i], nlags=4, isacov=True)
+        np.testing.assert_allclose(ar[i], sm.arcoefs, atol=ATOL)
+        np.testing.assert_allclose(sigma2[i], sm.sigma_v, atol=ATOL)
+        np.testing.assert_allclose(pacf[i], sm.pacf[1:], atol=ATOL)
+
+
+@pytest.mark.parametrize("output", [0, 1, 2])
+def test_levinson_durbin_grad(output, rng):
+    acov = sm_acov(random_ar(rng, 3), 1.3, 5) + np.r_[0.1, np.zeros(5)]
+    verify_grad(lambda a: levinson_durbin(a, 4)[output], [acov], rng=rng, mode=FAST)
+
+
+def test_levinson_durbin_grad_all_outputs_batched(rng):
+    acovs = np.stack([sm_acov(random_ar(rng, 3), s, 4) for s in (0.7, 1.5)])
+
+    def f(a):
+        ar, s2, pacf = levinson_durbin(a, 3)
+        return ar.sum(-1) * s2 + pacf[..., 1] ** 2
+
+    verify_grad(f, [acovs], rng=rng, mode=FAST)
+
+
+def test_levinson_durbin_pushforward(rng):
+    acov = sm_acov(random_ar(rng, 3), 1.3, 4)
+    a = pt.vector("a")
+    for out in levinson_durbin(a, 3):
+        jacobian_check(out, a, acov, rng.normal(size=5))
+
+
+def test_yule_walker_grad_matches_dense_solve(rng):
+    """Gradient of (phi, sigma2) equals autodiff of the dense Yule-Walker solve."""
+    acov = sm_acov(random_ar(rng, 5), 1.0, 5)
+    a = pt.vector("a")
+    w = rng.normal(size=5)
+    phi, s2 = yule_walker(a, 5)
+    T = iterops.ts.toeplitz.toeplitz_matrix(a[:5])
+    phi_d = pt.linalg.solve(T, a[1:6], assume_a="pos")
+    s2_d = a[0] - pt.dot(a[1:6], phi_d)
+    f = pytensor.function([a], [pytensor.grad(pt.dot(w, phi) + 3 * s2, a), pytensor.grad(pt.dot(w, phi_d) + 3 * s2_d, a)], mode=FAST)
+    g, g_dense = f(acov)
+    np.testing.assert_allclose(g, g_dense, rtol=1e-9, atol=1e-10)
+
+
+def test_levinson_durbin_failure_is_nan():
+    a = pt.vector("a")
+    f = pytensor.function([a], list(levinson_durbin(a, 2)), mode=FAST)
+    for bad in ([0.0, 0.0, 0.0], [-1.0, 0.1, 0.0], [1.0, 2.0, 0.1], [1.0, 0.9, -0.9], [1.0, np.nan, 0.1], [1.0, 0.5]):
+        for out in f(np.array(bad)):
+            assert np.all(np.isnan(out)), bad
+
+
+def test_levinson_durbin_bad_input():
+    with pytest.raises(ValueError, match=r"order must be <= len\(acov\) - 1.*shape \(3,\)"):
+        levinson_durbin(np.ones(3), 3)
+    with pytest.raises(ValueError, match="order must be a static Python integer"):
+        levinson_durbin(np.ones(3), 1.5)
+    with pytest.raises(ValueError, match="order must be a static Python integer"):
+        yule_walker(np.ones(3), pt.iscalar("p"))
+    with pytest.raises(ValueError, match="order must be >= 1"):
+        levinson_durbin(np.ones(3), 0)
+    with pytest.raises(ValueError, match="nlags must be <= n - 1"):
+        acovf(np.ones(3), 3)
+    with pytest.raises(ValueError, match="nlags must be a static Python integer"):
+        acovf(np.ones(3), 1.0)
+    with pytest.raises(TypeError, match="complex"):
+        levinson_durbin(np.ones(3) * 1j, 1)
