@@ -38,8 +38,9 @@ from iterops.jax import kalman as jkalman  # noqa: E402
 from iterops.jax import levinson as jlevinson  # noqa: E402
 from iterops.jax import lyapunov as jlyap  # noqa: E402
 from iterops.jax import toeplitz as jtoeplitz  # noqa: E402
+from iterops.jax import riccati as jriccati  # noqa: E402
 from iterops.jax.block_diag import block_diag as jblock_diag  # noqa: E402
-from iterops.linalg import lyapunov_fixed_point_loop, smith_doubling_loop  # noqa: E402
+from iterops.linalg import lyapunov_fixed_point_loop, smith_doubling_loop, solve_discrete_are  # noqa: E402
 from iterops.ts.kalman import KalmanFilter  # noqa: E402
 from iterops.ts.levinson_recursion import levinson_recursion  # noqa: E402
 
@@ -183,6 +184,14 @@ def _case_fixed_point_loop_symbolic_steps(rng):
     return [a, q, x0, n], [out], [A, Q, X0, np.int32(25)], [a, q, x0]
 
 
+def _case_dare(rng):
+    A, B = _stable(rng, 3, 1.1), rng.normal(size=(3, 2))  # an unstable A, stabilisable through B
+    Q, R = _spd(rng, 3), _spd(rng, 2)
+    names = "ABQR"
+    ins = [_tensor(k, v) for k, v in zip(names, (A, B, Q, R))]
+    return ins, [solve_discrete_are(*ins)], [A, B, Q, R], None
+
+
 def _case_block_diag(rng):
     X = rng.normal(size=(3, 2, 4))
     x = _tensor("x", X)
@@ -283,6 +292,7 @@ CASES = {
     "smith_doubling_loop_symbolic_steps": _case_doubling_loop_symbolic_steps,
     "fixed_point_loop": _case_fixed_point_loop,
     "fixed_point_loop_symbolic_steps": _case_fixed_point_loop_symbolic_steps,
+    "solve_discrete_are": _case_dare,
     "block_diag": _case_block_diag,
     "solve_toeplitz": _case_toeplitz,
     "levinson_durbin": _case_levinson_durbin,
@@ -298,7 +308,7 @@ CASES = {
 }
 #: in the default run (the others, which compile larger gradient graphs twice, run with ``-m slow``)
 DEFAULT_CASES = {
-    "lyapunov_auto", "smith_doubling_loop_symbolic_steps", "fixed_point_loop", "block_diag", "solve_toeplitz",
+    "lyapunov_auto", "solve_discrete_are", "smith_doubling_loop_symbolic_steps", "fixed_point_loop", "block_diag", "solve_toeplitz",
     "levinson_recursion", "pacf_to_ar", "kalman_filter_missing_jitter", "kalman_smoother",
 }
 
@@ -411,6 +421,20 @@ def test_jit_vmap_lyapunov_against_scipy(rng):
     X = scipy.linalg.solve_discrete_lyapunov(a, q)
     np.testing.assert_allclose(gQ, lam, rtol=1e-9)
     np.testing.assert_allclose(gA, lam @ a @ X.T + lam.T @ a @ X, rtol=1e-9)
+
+
+def test_jit_vmap_dare_against_scipy(rng):
+    A = np.stack([_stable(rng, 4, r) for r in (0.5, 1.3)])
+    B = rng.normal(size=(2, 4, 2))
+    Q = np.stack([_spd(rng, 4) for _ in range(2)])
+    R = np.stack([_spd(rng, 2) for _ in range(2)])
+    X = jax.jit(jax.vmap(jriccati.solve_discrete_are))(A, B, Q, R)
+    for i in range(2):
+        np.testing.assert_allclose(X[i], scipy.linalg.solve_discrete_are(A[i], B[i], Q[i], R[i]), rtol=1e-9)
+    # no stabilising solution (an unstable mode B cannot reach): NaN, as the Numba kernel
+    A_bad = np.diag([1.5, 0.5])
+    X_bad = jriccati.solve_discrete_are(A_bad, np.array([[0.0], [1.0]]), np.eye(2), np.eye(1))
+    assert np.all(np.isnan(X_bad))
 
 
 @given(st.integers(1, 5), st.floats(0.0, 0.999), st.integers(0, 2**31 - 1))

@@ -7,6 +7,7 @@ for the iterops Ops:
 
 - :mod:`iterops.jax.lyapunov`: ``DiscreteLyapunov`` (doubling / Schur / auto), ``SmithDoublingLoop``,
   ``LyapunovFixedPointLoop`` and their gradient Ops;
+- :mod:`iterops.jax.riccati`: ``DiscreteARE``;
 - :mod:`iterops.jax.block_diag`: ``BlockDiag``;
 - :mod:`iterops.jax.toeplitz`: ``SolveToeplitz``;
 - :mod:`iterops.jax.levinson`: ``LevinsonDurbin``, ``AutoCov``, ``LevinsonRecursion`` and its gradient Op;
@@ -34,8 +35,8 @@ def register(jax_funcify) -> None:
     """Register the JAX implementation of every iterops Op with ``jax_funcify`` (idempotent)."""
     if jax_funcify in _REGISTERED:
         return
-    from iterops.jax import ar, block_diag, kalman, levinson, lyapunov, toeplitz
+    from iterops.jax import ar, block_diag, kalman, levinson, lyapunov, riccati, toeplitz
 
-    for module in (lyapunov, block_diag, toeplitz, levinson, ar, kalman):
+    for module in (lyapunov, riccati, block_diag, toeplitz, levinson, ar, kalman):
         module.register(jax_funcify)
     _REGISTERED.append(jax_funcify)
