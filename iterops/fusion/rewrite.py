@@ -11,6 +11,12 @@ Registered (tag ``"iterops"``; ``mode.excluding("iterops")`` disables all):
   ``stabilize``, also to inner graphs) so that ``dlogp`` differentiates the
   fused Op, and as a second chance after other canonicalizations.
 
+At position 0.04 the graph is as ``pytensor.grad`` built it (only merged), so
+a gradient Scan built by ``Scan.pullback`` is still recognizable there: the
+rewrite replaces a matched loop together with its gradient Scans
+(:func:`iterops.fusion.gradient.fuse_with_gradients`) before PyTensor's Scan
+push-outs, save-mem and merge rewrites change either.
+
 Inner graphs of other Scans are rewritten by PyTensor with the compiling
 mode's full optimizer (``scan_inner_graph``, every linker), so a matched loop
 nested inside another Scan is replaced there too.
@@ -49,6 +55,7 @@ from pytensor.raise_op import CheckAndRaise
 from pytensor.graph.rewriting.basic import NodeRewriter, copy_stack_trace, dfs_rewriter
 from pytensor.scan.op import Scan
 
+from iterops.fusion.gradient import fuse_with_gradients
 from iterops.fusion.matcher import initial_value, match_scan
 from iterops.fusion.registry import PATTERNS
 
@@ -189,6 +196,17 @@ class FuseScan(NodeRewriter):
     def transform(self, fgraph, node, enforce_tracks=True):
         if not _ENABLED or not isinstance(node.op, Scan):
             return None
+        try:
+            pair = fuse_with_gradients(fgraph, node)
+        except Exception as err:  # a failed match must never break compilation
+            _log.debug("iterops gradient fusion failed on %s", node, exc_info=True)
+            pair = None
+        if pair is not None and pair.replacements is not None:
+            if config.optimizer_verbose:
+                print(f"iterops: replaced {_describe_scan(node)} and its gradient Scan(s) "  # noqa: T201
+                      f"{', '.join(_describe_scan(g) for g in pair.gradients)} by "
+                      f"{pair.match.pattern.replaces_with} and its gradient (pattern {pair.match.pattern.name})")
+            return pair.replacements
         try:
             match, rejections = match_scan(fgraph, node, PATTERNS.values())
             if match is None:
