@@ -6,11 +6,11 @@ trace (its buffers, reversed).  That read disqualifies the forward loop from
 :func:`iterops.fusion.rewrite.fuse_scan` (an intermediate state is used), so
 both would stay Scans.  This module replaces the pair:
 
-1. **Find** the gradient Scans of a forward Scan ``F``: Scans reading ``F``'s
-   outputs through ``Subtensor`` chains (the reversed buffers the pullback
-   passes as sequences).
+1. **Find** the gradient Scans of a forward Scan ``F``: Scans downstream of
+   ``F`` named as ``Scan.pullback`` names them (``grad_of_<name>``).
 2. **Identify** each one exactly: read candidate cotangents off its inputs
-   (the variables the pullback reverses, ``c[::-1]``), rebuild
+   (the variables the pullback reverses, ``c[::-1]``: the i-th mit-mot input
+   for the i-th state, the sequences for per-step outputs), rebuild
    ``F.op.pullback(F.inputs, F.outputs, cotangents)`` with them and require
    the rebuilt gradient Scan to equal the one in the graph (the same Scan op,
    i.e. equal inner graphs, and ``equal_computations`` of the outer inputs).
@@ -35,7 +35,13 @@ both would stay Scans.  This module replaces the pair:
    other rows are the loop's intermediate adjoints, never read by
    ``pytensor.grad``'s graph of ``set_subtensor(empty[:1], x0)``).
 
-When in doubt the Scans are kept: any step that fails returns ``None``.
+Several costs differentiated through one loop give several gradient Scans:
+each is identified and replaced with its own cotangents.  The rewrite runs
+at position 0.04 of ``optdb`` (before PyTensor's Scan rewrites change either
+Scan), also inside the inner graphs of Scans (nested loops), see
+:mod:`iterops.fusion.rewrite`.
+
+When in doubt the Scans are kept: any step that fails keeps both.
 """
 
 from __future__ import annotations
@@ -46,17 +52,19 @@ from collections import OrderedDict
 
 import numpy as np
 import pytensor
+import pytensor.scalar as ps
 import pytensor.tensor as pt
-from pytensor.graph.basic import Constant, Variable, equal_computations
-from pytensor.graph.null_type import NullType
 from pytensor.gradient import DisconnectedType
+from pytensor.graph.basic import Constant, Variable, equal_computations
+from pytensor.graph.fg import Output
+from pytensor.graph.null_type import NullType
 from pytensor.graph.traversal import ancestors
 from pytensor.scan.op import Scan
 from pytensor.scan.utils import ScanArgs
 from pytensor.tensor.basic import Alloc
-from pytensor.tensor.elemwise import Elemwise
+from pytensor.tensor.elemwise import DimShuffle, Elemwise
+from pytensor.tensor.math import Sum
 from pytensor.tensor.subtensor import IncSubtensor, Subtensor, indices_from_subtensor
-import pytensor.scalar as ps
 
 from iterops.fusion.matcher import _is_last_index, constant_value, initial_value, match_scan
 from iterops.fusion.registry import PATTERNS
@@ -141,49 +149,49 @@ def _reversed_base(v):
     return None
 
 
-def _cotangent_candidates(F, G):
-    """The variables ``G`` reads reversed that are not ``F``'s own inputs or outputs (or slices of them)."""
+def _cotangent_base(F, inp):
+    """The cotangent ``c`` if ``inp`` is ``c[::-1]`` (possibly sliced) and ``c`` is not ``F``'s own input or output."""
     own = {_strip_subtensors(v) for v in (*F.outputs, *F.inputs)}
-    out = []
-    for inp in G.inputs[1:]:
-        b = _reversed_base(inp)
-        if b is None or b in out or _strip_subtensors(b) in own:
-            continue
-        if str(getattr(b.type, "dtype", "")).startswith("float"):
-            out.append(b)
-    return out
+    b = _reversed_base(inp)
+    if b is None or _strip_subtensors(b) in own or not str(getattr(b.type, "dtype", "")).startswith("float"):
+        return None
+    return b
 
 
-def _differentiable_outputs(F):
-    """Indices of ``F.outputs`` that may carry a cotangent (traced sit-sot and nit-sot outputs)."""
+def _assignments(F, G):
+    """Candidate ``dC_douts`` lists for ``F``'s outputs, read off ``G``'s inputs.
+
+    ``Scan.pullback`` passes the cotangent of the i-th traced state as the
+    i-th mit-mot input, reversed (zeros when disconnected), and the connected
+    cotangents of the per-step outputs, reversed, among its sequences, in
+    order.  When pruning changed the counts, the in-order placements are tried
+    (at most ``_MAX_ASSIGNMENTS``); :func:`identify` checks each by rebuilding.
+    """
     a = ScanArgs.from_node(F)
-    idx = []
-    for o in (*a.outer_out_sit_sot, *a.outer_out_nit_sot):
-        idx.append(F.outputs.index(o))
-    return idx
-
-
-def _assignments(F, candidates):
-    """Candidate ``dC_douts`` lists: each candidate used exactly once, the other outputs disconnected."""
-    slots = _differentiable_outputs(F)
-    options = []
-    for k in slots:
-        o = F.outputs[k]
-        opts = [None] + [c for c in candidates if c.type.ndim == o.type.ndim]
-        options.append(opts)
-    n = 0
-    for combo in itertools.product(*options):
-        chosen = [c for c in combo if c is not None]
-        if len(chosen) != len(candidates) or len(set(chosen)) != len(chosen):
-            continue
-        n += 1
-        if n > _MAX_ASSIGNMENTS:
+    sitsot = [F.outputs.index(o) for o in a.outer_out_sit_sot]
+    nitsot = [F.outputs.index(o) for o in a.outer_out_nit_sot]
+    info = G.op.info
+    seqs = G.inputs[1:1 + info.n_seqs]
+    mitmots = G.inputs[1 + info.n_seqs:1 + info.n_seqs + info.n_mit_mot]
+    mm = [_cotangent_base(F, x) for x in mitmots]
+    sq = [b for b in (_cotangent_base(F, x) for x in seqs) if b is not None]
+    if len(mm) == len(sitsot):
+        state_options = [list(zip(sitsot, mm))]
+    else:
+        got = [b for b in mm if b is not None]
+        state_options = [list(zip(pos, got)) for pos in itertools.combinations(sitsot, len(got))]
+    out_options = [list(zip(pos, sq)) for pos in itertools.combinations(nitsot, len(sq))]
+    for n, (st, ot) in enumerate(itertools.product(state_options, out_options)):
+        if n >= _MAX_ASSIGNMENTS:
             return
         dC = [DisconnectedType()() for _ in F.outputs]
-        for k, c in zip(slots, combo):
+        for k, c in (*st, *ot):
             if c is not None:
+                if c.type.ndim != F.outputs[k].type.ndim:
+                    break
                 dC[k] = c
-        yield dC
+        else:
+            yield dC
 
 
 def _pullback_scan(gradients, F):
@@ -216,10 +224,7 @@ def identify(F, G):
 def _identify(F, G):
     if G.op.truncate_gradient != -1 or F.op.truncate_gradient != -1:
         return None
-    candidates = _cotangent_candidates(F, G)
-    if not candidates:
-        return None
-    for dC in _assignments(F, candidates):
+    for dC in _assignments(F, G):
         try:
             grads = F.op.pullback(list(F.inputs), list(F.outputs), dC)
         except Exception:  # noqa: BLE001  (not this assignment)
@@ -281,8 +286,6 @@ def _is_zero(v):
     if isinstance(node.op, Elemwise) and isinstance(node.op.scalar_op, ps.Second):
         c = constant_value(node.inputs[1])
         return c is not None and c == 0
-    from pytensor.tensor.elemwise import DimShuffle  # noqa: PLC0415
-
     if isinstance(node.op, DimShuffle):
         return _is_zero(node.inputs[0])
     return False
@@ -423,10 +426,6 @@ def _flows_only_into_base(fgraph, t, x0, reachable):
         return False
     if not all(isinstance(i, Constant) for i in sub.inputs[1:]):
         return False
-    from pytensor.graph.fg import Output  # noqa: PLC0415
-    from pytensor.tensor.elemwise import DimShuffle  # noqa: PLC0415
-    from pytensor.tensor.math import Sum  # noqa: PLC0415
-
     stack, seen = [t], set()
     while stack:
         v = stack.pop()

@@ -52,7 +52,7 @@ import pytensor.tensor as pt
 from pytensor.compile import optdb
 from pytensor.configdefaults import config
 from pytensor.raise_op import CheckAndRaise
-from pytensor.graph.rewriting.basic import NodeRewriter, copy_stack_trace, dfs_rewriter
+from pytensor.graph.rewriting.basic import GraphRewriter, NodeRewriter, copy_stack_trace, dfs_rewriter
 from pytensor.scan.op import Scan
 
 from iterops.fusion.gradient import fuse_with_gradients
@@ -235,9 +235,36 @@ fuse_scan = FuseScan()
 _TAGS = ("fast_run", "fast_compile", "iterops")
 
 
+def _has_inner_scan(op) -> bool:
+    return isinstance(op, Scan) and any(isinstance(n.op, Scan) for n in op.fgraph.apply_nodes)
+
+
+class FuseLoopsEverywhere(GraphRewriter):
+    """``fuse_scan`` on the graph, then inside the inner graphs of Scans that hold Scans (nested loops).
+
+    At position 0.04 an outer Scan's inner graph still holds a nested loop and
+    its gradient Scan as ``pytensor.grad`` built them; PyTensor's Scan
+    push-outs (0.05) would change them before the inner graph is compiled.
+    """
+
+    def apply(self, fgraph):
+        if not _ENABLED:
+            return
+        dfs_rewriter(fuse_scan, ignore_newtrees=True).rewrite(fgraph)
+        if not any(_has_inner_scan(n.op) for n in fgraph.apply_nodes):
+            return
+        from pytensor.compile.rewriting import rewrite_inner_graph  # noqa: PLC0415
+
+        rewrite_inner_graph(fgraph, _has_inner_scan,
+                            lambda linker, op, node, inner, *, mode: self.apply(inner))
+
+    def __str__(self):
+        return "iterops_fuse_loops"
+
+
 def register():
     """Register the rewrites with PyTensor's optimizer database (idempotent)."""
     if "iterops_fuse_loops" in optdb.__db__:
         return
-    optdb.register("iterops_fuse_loops", dfs_rewriter(fuse_scan, ignore_newtrees=True), *_TAGS, position=0.04)
+    optdb.register("iterops_fuse_loops", FuseLoopsEverywhere(), *_TAGS, position=0.04)
     optdb["canonicalize"].register("iterops_fuse_loops", fuse_scan, *_TAGS)
