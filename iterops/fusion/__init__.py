@@ -4,8 +4,12 @@
 ``pytensor.function`` (NUMBA, FAST_RUN/C, FAST_COMPILE) and PyMC's
 pre-gradient pass replace matched Scans; ``mode.excluding("iterops")`` keeps
 them, and so does :func:`disabled` (``with iterops.fusion.disabled(): ...``)
-where the mode cannot be chosen (PyMC's ``rewrite_pregrad``, nutpie).  For plain PyTensor, :func:`fuse_loops` applies the replacement before
-``pytensor.grad``; :func:`explain` says what was (or was not) replaced.
+where the mode cannot be chosen (PyMC's ``rewrite_pregrad``, nutpie).  A loop
+differentiated with plain ``pytensor.grad`` is replaced together with the
+gradient Scan that ``pytensor.grad`` built for it, by the fused Op and the
+fused Op's own gradient (:mod:`iterops.fusion.gradient`); :func:`fuse_loops`
+applies the replacement before ``pytensor.grad`` instead; :func:`explain` says
+what was (or was not) replaced, gradient Scans included.
 
 Patterns (see :mod:`iterops.fusion.patterns`): Smith doubling and the
 fixed-point Lyapunov iteration (-> the same iterations fused,
@@ -44,6 +48,13 @@ The rewrite runs on every graph once iterops is imported, so it promises:
    narrowing cast, a truncated gradient (``truncate_gradient``), a different
    constant or stop rule, an intermediate state read outside the loop, or a
    loop carrying non-tensor state (random generators) keeps the Scan.
+5. **Gradient Scans are identified, not guessed.**  A gradient Scan is
+   replaced with its forward loop only when rebuilding ``Scan.pullback`` of
+   the forward Scan, with the cotangents read off the gradient Scan's
+   inputs, gives the same Scan (equal inner graph and outer inputs), when all
+   its results are used as the loop's gradients (a second derivative keeps
+   both Scans), and, for loops replaced through their final state, when the
+   cotangents are provably zero outside the last row.
 
 ``tests/test_fusion_fuzz.py`` keeps the contract: it generates mutants of
 every pattern's loop (changed operands, transposes, constants, casts, stop
@@ -65,6 +76,7 @@ from pytensor.scan.op import Scan
 from pytensor.scan.utils import ScanArgs
 
 from iterops.fusion import patterns  # noqa: F401  (registers the patterns)
+from iterops.fusion.gradient import fuse_with_gradients
 from iterops.fusion.matcher import _inner_inputs, _inner_outputs, match_scan
 from iterops.fusion.registry import PATTERNS, Pattern, Role, register_pattern
 from iterops.fusion.rewrite import disabled, fuse_scan, is_enabled, register, replacements_for, set_enabled
@@ -108,9 +120,18 @@ class ScanReport:
     pattern: str | None
     reasons: list = field(default_factory=list)  # (pattern, reason) for kept Scans, closest first
     nested_in: str | None = None
+    #: for a gradient Scan (built by ``pytensor.grad``): the forward Scan it differentiates
+    gradient_of: str | None = None
 
     def __str__(self):
         where = f" (inside {self.nested_in})" if self.nested_in else ""
+        if self.gradient_of and self.replaced_by:
+            return (f"{self.scan}{where}: gradient of {self.gradient_of}, replaced by the gradient of "
+                    f"{self.replaced_by} (pattern {self.pattern})")
+        if self.gradient_of:
+            lines = [f"{self.scan}{where}: gradient of {self.gradient_of}, kept as a Scan"]
+            lines += [f"    {name}: {why}" for name, why in self.reasons]
+            return "\n".join(lines)
         if self.replaced_by:
             return f"{self.scan}{where}: replaced by {self.replaced_by} (pattern {self.pattern})"
         lines = [f"{self.scan}{where}: kept as a Scan"]
@@ -146,10 +167,32 @@ def _scan_name(node):
 
 
 def _explain_fgraph(fg, reports, nested_in=None, near=1.0):
+    kept_gradients = {}  # gradient Scan -> (forward Scan's name, reason)
     for node in list(fg.toposort()):
         if node not in fg.apply_nodes or not isinstance(node.op, Scan):
             continue
         name = _scan_name(node)
+        if node in kept_gradients:
+            forward, why = kept_gradients[node]
+            reports.append(ScanReport(name, None, None, [("(gradient)", why)], nested_in=nested_in,
+                                      gradient_of=forward))
+            continue
+        try:
+            pair = fuse_with_gradients(fg, node)
+        except Exception as err:  # noqa: BLE001  (explain never raises on a valid graph)
+            pair = None
+        if pair is not None and pair.replacements is not None:
+            p = pair.match.pattern
+            reports.append(ScanReport(name, p.replaces_with, p.name, nested_in=nested_in))
+            reports.extend(ScanReport(_scan_name(g), p.replaces_with, p.name, nested_in=nested_in, gradient_of=name)
+                           for g in pair.gradients)
+            fg.replace_all(list(pair.replacements.items()), reason="iterops_explain", import_missing=True)
+            continue
+        if pair is not None:
+            why = pair.reason or "kept with its forward loop"
+            if pair.rejections:
+                why += f" (closest pattern {pair.rejections[0][0]}: {pair.rejections[0][1]})"
+            kept_gradients.update((g, (name, why)) for g in pair.gradients)
         try:
             match, rejections = match_scan(fg, node, PATTERNS.values())
         except Exception as err:  # noqa: BLE001  (explain never raises on a valid graph)
@@ -175,6 +218,10 @@ def explain(outputs) -> Explanation:
     and for those kept, why (for every pattern the loop came close to, the
     first difference from the reference step or the outer condition that
     failed).  ``print(iterops.explain(out))`` for a readable report.
+
+    A gradient Scan that ``pytensor.grad`` built for a loop is reported as
+    such: replaced by the fused Op's gradient together with its forward loop
+    (:mod:`iterops.fusion.gradient`), or kept, with the reason.
 
     The same messages are printed while compiling when PyTensor's
     ``config.optimizer_verbose`` is on.

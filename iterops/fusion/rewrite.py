@@ -11,6 +11,12 @@ Registered (tag ``"iterops"``; ``mode.excluding("iterops")`` disables all):
   ``stabilize``, also to inner graphs) so that ``dlogp`` differentiates the
   fused Op, and as a second chance after other canonicalizations.
 
+At position 0.04 the graph is as ``pytensor.grad`` built it (only merged), so
+a gradient Scan built by ``Scan.pullback`` is still recognizable there: the
+rewrite replaces a matched loop together with its gradient Scans
+(:func:`iterops.fusion.gradient.fuse_with_gradients`) before PyTensor's Scan
+push-outs, save-mem and merge rewrites change either.
+
 Inner graphs of other Scans are rewritten by PyTensor with the compiling
 mode's full optimizer (``scan_inner_graph``, every linker), so a matched loop
 nested inside another Scan is replaced there too.
@@ -46,9 +52,10 @@ import pytensor.tensor as pt
 from pytensor.compile import optdb
 from pytensor.configdefaults import config
 from pytensor.raise_op import CheckAndRaise
-from pytensor.graph.rewriting.basic import NodeRewriter, copy_stack_trace, dfs_rewriter
+from pytensor.graph.rewriting.basic import GraphRewriter, NodeRewriter, copy_stack_trace, dfs_rewriter
 from pytensor.scan.op import Scan
 
+from iterops.fusion.gradient import fuse_with_gradients
 from iterops.fusion.matcher import initial_value, match_scan
 from iterops.fusion.registry import PATTERNS
 
@@ -190,6 +197,17 @@ class FuseScan(NodeRewriter):
         if not _ENABLED or not isinstance(node.op, Scan):
             return None
         try:
+            pair = fuse_with_gradients(fgraph, node)
+        except Exception as err:  # a failed match must never break compilation
+            _log.debug("iterops gradient fusion failed on %s", node, exc_info=True)
+            pair = None
+        if pair is not None and pair.replacements is not None:
+            if config.optimizer_verbose:
+                print(f"iterops: replaced {_describe_scan(node)} and its gradient Scan(s) "  # noqa: T201
+                      f"{', '.join(_describe_scan(g) for g in pair.gradients)} by "
+                      f"{pair.match.pattern.replaces_with} and its gradient (pattern {pair.match.pattern.name})")
+            return pair.replacements
+        try:
             match, rejections = match_scan(fgraph, node, PATTERNS.values())
             if match is None:
                 if config.optimizer_verbose and rejections and rejections[0][1].score >= 1:
@@ -217,9 +235,36 @@ fuse_scan = FuseScan()
 _TAGS = ("fast_run", "fast_compile", "iterops")
 
 
+def _has_inner_scan(op) -> bool:
+    return isinstance(op, Scan) and any(isinstance(n.op, Scan) for n in op.fgraph.apply_nodes)
+
+
+class FuseLoopsEverywhere(GraphRewriter):
+    """``fuse_scan`` on the graph, then inside the inner graphs of Scans that hold Scans (nested loops).
+
+    At position 0.04 an outer Scan's inner graph still holds a nested loop and
+    its gradient Scan as ``pytensor.grad`` built them; PyTensor's Scan
+    push-outs (0.05) would change them before the inner graph is compiled.
+    """
+
+    def apply(self, fgraph):
+        if not _ENABLED:
+            return
+        dfs_rewriter(fuse_scan, ignore_newtrees=True).rewrite(fgraph)
+        if not any(_has_inner_scan(n.op) for n in fgraph.apply_nodes):
+            return
+        from pytensor.compile.rewriting import rewrite_inner_graph  # noqa: PLC0415
+
+        rewrite_inner_graph(fgraph, _has_inner_scan,
+                            lambda linker, op, node, inner, *, mode: self.apply(inner))
+
+    def __str__(self):
+        return "iterops_fuse_loops"
+
+
 def register():
     """Register the rewrites with PyTensor's optimizer database (idempotent)."""
     if "iterops_fuse_loops" in optdb.__db__:
         return
-    optdb.register("iterops_fuse_loops", dfs_rewriter(fuse_scan, ignore_newtrees=True), *_TAGS, position=0.04)
+    optdb.register("iterops_fuse_loops", FuseLoopsEverywhere(), *_TAGS, position=0.04)
     optdb["canonicalize"].register("iterops_fuse_loops", fuse_scan, *_TAGS)
