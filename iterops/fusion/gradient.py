@@ -66,7 +66,8 @@ from pytensor.tensor.elemwise import DimShuffle, Elemwise
 from pytensor.tensor.math import Sum
 from pytensor.tensor.subtensor import IncSubtensor, Subtensor, indices_from_subtensor
 
-from iterops.fusion.matcher import _is_last_index, constant_value, initial_value, match_scan
+from iterops.fusion.matcher import constant_value, initial_value, match_scan
+from iterops.fusion.uses import _is_last_index
 from iterops.fusion.registry import PATTERNS
 
 __all__ = ["GradientPair", "fuse_with_gradients", "gradient_scans"]
