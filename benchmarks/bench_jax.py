@@ -8,7 +8,7 @@ in one process:
   for loglik+gradient: its ``custom_vjp`` adjoint), what numpyro/blackjax run;
 - **dynamax**: ``dynamax.linear_gaussian_ssm.lgssm_filter(...).marginal_loglik`` under ``jax.jit``
   (autodiff for the gradient);
-- **JAX Scan**: the ``pytensor.scan`` Kalman filter users write (:func:`iterops.demo.scan_kalman_filter`)
+- **JAX Scan**: the ``pytensor.scan`` Kalman filter users write (:func:`iterops.demo.scan_loglik`: the reference loop; the models here have ``c = 0``)
   JAX-ified as PyMC's JAX samplers do it (``mode.JAX`` rewrites, iterops' rewrites excluded so the Scan
   stays), under ``jax.jit``, ``jax.value_and_grad`` for the gradient.
 
@@ -77,10 +77,11 @@ def _jax_scan(model):
     from pytensor.graph.fg import FunctionGraph
     from pytensor.link.jax.dispatch import jax_funcify
 
-    from iterops.demo import scan_kalman_filter
+    from iterops.demo import scan_loglik
 
     ins = _inputs(model)
-    ll = scan_kalman_filter(*ins)[0]
+    y, a0, P0, _c, d, T, Z, R, H, Q = ins  # c = 0 in these models
+    ll = scan_loglik(y, a0, P0, d=d, T=T, Z=Z, R=R, H=H, Q=Q)
     fgraph = FunctionGraph(inputs=ins, outputs=[ll], clone=True)
     pt_mode.JAX.excluding("iterops").optimizer.rewrite(fgraph)
     fn = jax_funcify(fgraph)
@@ -94,7 +95,7 @@ def _iterops_numba(model):
     from iterops.ts import kalman_filter
 
     ins = _inputs(model)
-    ll = kalman_filter(*ins).loglik
+    ll = kalman_filter(*ins[:3], **dict(zip(NAMES[3:], ins[3:]))).loglik
     fwd = pytensor.function(ins, ll, trust_input=True)
     grad = pytensor.function(ins, [ll, *pytensor.grad(ll, ins[1:])], trust_input=True)
     return fwd, grad, [model[k] for k in NAMES]

@@ -261,6 +261,12 @@ def _kalman_values(rng, n=15, m=3, p=2, r=2, tv=()):
     return [rng.normal(size=(n, p)), np.zeros(m), np.eye(m)] + [vals[k] for k in KALMAN_NAMES[3:]]
 
 
+def _kalman(fn, y, a0, P0, *system, **kwargs):
+    """``fn(y, a0, P0, c=, d=, T=, Z=, R=, H=, Q=)`` from the positional order of ``KALMAN_NAMES``
+    (the iterops functions take the system matrices by keyword only)."""
+    return fn(y, a0, P0, **dict(zip("cdTZRHQ", system)), **kwargs)
+
+
 def _case_kalman(tv=(), missing=False, **options):
     def build(rng):
         vals = _kalman_values(rng, tv=tv)
@@ -270,7 +276,7 @@ def _case_kalman(tv=(), missing=False, **options):
             if options.get("missing_value") is not None:
                 vals[0][9, 1] = options["missing_value"]
         syms = [_tensor(nm, v) for nm, v in zip(KALMAN_NAMES, vals)]
-        res = iterops.kalman_filter(*syms, time_varying=tv, **options)
+        res = _kalman(iterops.kalman_filter, *syms, time_varying=tv, **options)
         return syms, list(res), vals, None
 
     return build
@@ -280,7 +286,7 @@ def _case_kalman_smoother(rng):
     vals = _kalman_values(rng)
     vals[0][4, 1] = np.nan
     syms = [_tensor(nm, v) for nm, v in zip(KALMAN_NAMES, vals)]
-    res = iterops.kalman_smoother(*syms)
+    res = _kalman(iterops.kalman_smoother, *syms)
     return syms, list(res), vals, []  # no gradient (not implemented for the Numba Op either)
 
 
@@ -330,7 +336,7 @@ def test_kalman_failure_is_minus_inf_and_nan_gradient(rng):
     vals = _kalman_values(rng)
     vals[8] = -50.0 * np.eye(2)  # H: F not positive definite from the first step
     syms = [_tensor(nm, v) for nm, v in zip(KALMAN_NAMES, vals)]
-    res = iterops.kalman_filter(*syms)
+    res = _kalman(iterops.kalman_filter, *syms)
     fn, _ = _jaxify(syms, [res.loglik, res.filtered_state])
     ll, filtered = fn(*vals)
     assert ll == -np.inf and np.all(np.isnan(filtered))
@@ -343,7 +349,7 @@ def test_kalman_failure_through_pytensor_gradient_graph(rng):
     vals = _kalman_values(rng)
     vals[8] = -50.0 * np.eye(2)
     syms = [_tensor(nm, v) for nm, v in zip(KALMAN_NAMES, vals)]
-    res = iterops.kalman_filter(*syms)
+    res = _kalman(iterops.kalman_filter, *syms)
     f = pytensor.function(syms, [res.loglik, *pytensor.grad(res.loglik, syms)], mode="JAX")
     out = f(*vals)
     assert out[0] == -np.inf
@@ -385,7 +391,7 @@ def _check_batched(rng, with_kalman):
         vals = _kalman_values(rng)
         ys = np.stack([vals[0], vals[0][::-1]])
         y = _tensor("y", ys)
-        kal = iterops.kalman_filter(y, *vals[1:])
+        kal = _kalman(iterops.kalman_filter, y, *vals[1:])
         inputs, values, wrt, outs = inputs + [y], values + [ys], wrt + [y], outs + [kal.loglik, kal.filtered_cov]
     grads = pytensor.grad(_cost(outs, rng), wrt)
     f_n, f_j = pytensor.function(inputs, outs + grads), pytensor.function(inputs, outs + grads, mode="JAX")
