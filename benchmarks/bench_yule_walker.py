@@ -77,9 +77,9 @@ def run(quick: bool) -> list[Section]:
         f_dense = _with_grad(a, *_dense_yw(a, p), w, mode=_PLAIN)
         f_scan = _with_grad(a, *ref.levinson_loop(a, p)[:2], w, mode=_PLAIN)
         f_fwd = _fn([a], list(yule_walker(a, p)))
-        ref = f_dense(acov)
+        expected = f_dense(acov)
         for f in (f_ours, f_scan):  # same numbers before timing
-            np.testing.assert_allclose(f(acov)[1], ref[1], rtol=1e-5, atol=1e-7 * np.abs(ref[1]).max())
+            np.testing.assert_allclose(f(acov)[1], expected[1], rtol=1e-5, atol=1e-7 * np.abs(expected[1]).max())
         t_ours, t_dense, t_scan = (best_time(f, acov, min_time=min_time, repeat=repeat) for f in (f_ours, f_dense, f_scan))
         t_fwd = best_time(f_fwd, acov, min_time=min_time, repeat=repeat)
         t_sm = best_time(lambda g: sm_levinson_durbin(g, nlags=p, isacov=True), acov, min_time=min_time, repeat=repeat)
