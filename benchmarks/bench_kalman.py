@@ -84,7 +84,8 @@ def _pymc_extras_fn(model):
         ins = _inputs(model)
         outs = StandardFilter().build_graph(*ins)
         ll = outs[-1].sum()
-        fn = pytensor.function(ins, [ll, *pytensor.grad(ll, ins[1:])], trust_input=True)
+        fn = pytensor.function(ins, [ll, *pytensor.grad(ll, ins[1:])], trust_input=True,
+                             mode=pytensor.compile.get_default_mode().excluding("iterops"))  # the Scan, not fused
         fn(*[model[k] for k in NAMES])
         return fn
 

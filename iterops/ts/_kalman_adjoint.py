@@ -328,82 +328,84 @@ def _steady_work(m, p):
 @numba.njit(cache=True)
 def _steady_reverse_steps(t, s0, window, y, system, ap, cot, grad, abar, Pbar, cache, sw, sums):
     """Steps t, ..., s0 of :func:`_steady_adjoint_run`: on every step the mean path and the sums
-    (:func:`_steady_mean_step`), on the steps of the window (all when ``window = 0``) the
-    covariance recursion (:func:`_steady_cov_step`)."""
-    exact = window == 0
-    for s in range(t, s0 - 1, -1):
-        recursion = exact or s < s0 + window
-        if recursion and not exact and s == s0 + window - 1:
-            Pbar[:, :] = 0.0  # far steps' contribution to P_bar_s0 is below ||Lss^K||^2: dropped
-        _steady_mean_step(s, y, system, ap, cot, grad, abar, cache, sw, sums)
-        if recursion:
-            _steady_cov_step(s, exact, system.Z[0], cache, _has(cot.filtered_cov), cot.predicted_cov, Pbar, sw, sums.Gs)
+    (recompute ``v``, ``w = F^{-1} v``, ``a_f = a + K v``; reverse ``a' = T a_f + c``, the likelihood
+    and ``v = y - d - Z a``; ``abar``: cotangent of ``a_{s+1}`` in, of ``a_s`` out), on the steps of
+    the window (all when ``window = 0``) the covariance recursion (:func:`_steady_cov_step`).
 
-
-@numba.njit(cache=True)
-def _steady_mean_step(s, y, system, ap, cot, grad, abar, cache, sw, sums):
-    """The mean path of reverse step s of a steady stretch, and its terms of the sums: recompute
-    ``v``, ``w = F^{-1} v``, ``a_f = a + K v``; reverse ``a' = T a_f + c``, the likelihood and
-    ``v = y - d - Z a``.  ``abar``: cotangent of ``a_{s+1}`` in, of ``a_s`` out."""
+    One function on purpose: the arrays are unpacked before the loop, so that a step binds none (a
+    per-step helper taking the NamedTuples increfs/decrefs their ~40 arrays on every call, which
+    made this loop 3x slower for a local-level model)."""
     p = y.shape[1]
     m = ap.shape[1]
+    exact = window == 0
     c, d, Tt, Zt = system.c, system.d, system.T[0], system.Z[0]
     K, L, Finv = cache.K, cache.L, cache.Finv
     gy, gc, gd, gT, gZ = grad.y, grad.system.c, grad.system.d, grad.system.T[0], grad.system.Z[0]
     _, g_llobs, g_af, g_Pf, g_ap, _, g_v, g_F = cot
+    has_llobs, has_af, has_Pf, has_ap, has_v, has_F = (
+        _has(g_llobs), _has(g_af), _has(g_Pf), _has(g_ap), _has(g_v), _has(g_F)
+    )
     v, w, u, af, af_bar, _, _, W1, _, X_bar, _ = sw
     _, Ss, Xs, Ms = sums
-    ic, idd = ti(c, s), ti(d, s)
-    innovation(y, d, Zt, ap, s, L, v, w)
-    for i in range(m):
-        x = ap[s, i]
-        for j in range(p):
-            x += K[i, j] * v[j]
-        af[i] = x
-    for i in range(m):  # a' = T a_f + c: c_bar += a'_bar, a_f_bar = T^T a'_bar, T_bar += a'_bar a_f^T
-        gc[ic, i] += abar[i]
-        x = g_af[s, i] if _has(g_af) else 0.0
-        for l in range(m):
-            x += Tt[l, i] * abar[l]
-        af_bar[i] = x
-        for j in range(m):
-            gT[i, j] += abar[i] * af[j]
-    ll_bar = cot.loglik + (g_llobs[s] if _has(g_llobs) else 0.0)
-    for i in range(p):  # u = K^T a_f_bar
-        x = 0.0
-        for l in range(m):
-            x += K[l, i] * af_bar[l]
-        u[i] = x
-    for i in range(p):  # X = sym(F_bar)
-        for j in range(i, p):
-            x = -0.5 * ll_bar * (Finv[i, j] - w[i] * w[j]) - 0.5 * (u[i] * w[j] + u[j] * w[i])
-            if _has(g_F):
-                x += 0.5 * (g_F[s, i, j] + g_F[s, j, i])
-            X_bar[i, j] = x
-            X_bar[j, i] = x
-            Xs[i, j] += x
-            if j != i:
-                Xs[j, i] += x
-    for i in range(m):  # Mo_bar = a_f_bar w^T
-        for j in range(p):
-            Ms[i, j] += af_bar[i] * w[j]
-    if _has(g_Pf):
+    for s in range(t, s0 - 1, -1):
+        recursion = exact or s < s0 + window
+        if recursion and not exact and s == s0 + window - 1:
+            Pbar[:, :] = 0.0  # far steps' contribution to P_bar_s0 is below ||Lss^K||^2: dropped
+        ic, idd = ti(c, s), ti(d, s)
+        innovation(y, d, Zt, ap, s, L, v, w)  # recompute v, w = F^{-1} v and a_f = a + K v
         for i in range(m):
+            x = ap[s, i]
+            for j in range(p):
+                x += K[i, j] * v[j]
+            af[i] = x
+        for i in range(m):  # a' = T a_f + c: c_bar += a'_bar, a_f_bar = T^T a'_bar, T_bar += a'_bar a_f^T
+            gc[ic, i] += abar[i]
+            x = g_af[s, i] if has_af else 0.0
+            for l in range(m):
+                x += Tt[l, i] * abar[l]
+            af_bar[i] = x
             for j in range(m):
-                W1[i, j] = 0.5 * (g_Pf[s, i, j] + g_Pf[s, j, i])
-                Ss[i, j] += W1[i, j]
-    for i in range(p):  # v = y - d - Z a: v_bar = u - ll_bar w (+ g_v); a_bar = a_f_bar - Z^T v_bar
-        vb = u[i] - ll_bar * w[i] + (g_v[s, i] if _has(g_v) else 0.0)
-        u[i] = vb
-        gy[s, i] += vb
-        gd[idd, i] -= vb
+                gT[i, j] += abar[i] * af[j]
+        ll_bar = cot.loglik + (g_llobs[s] if has_llobs else 0.0)
+        for i in range(p):  # u = K^T a_f_bar
+            x = 0.0
+            for l in range(m):
+                x += K[l, i] * af_bar[l]
+            u[i] = x
+        for i in range(p):  # X = sym(F_bar)
+            for j in range(i, p):
+                x = -0.5 * ll_bar * (Finv[i, j] - w[i] * w[j]) - 0.5 * (u[i] * w[j] + u[j] * w[i])
+                if has_F:
+                    x += 0.5 * (g_F[s, i, j] + g_F[s, j, i])
+                X_bar[i, j] = x
+                X_bar[j, i] = x
+                Xs[i, j] += x
+                if j != i:
+                    Xs[j, i] += x
+        for i in range(m):  # Mo_bar = a_f_bar w^T
+            for j in range(p):
+                Ms[i, j] += af_bar[i] * w[j]
+        if has_Pf:
+            for i in range(m):
+                for j in range(m):
+                    W1[i, j] = 0.5 * (g_Pf[s, i, j] + g_Pf[s, j, i])
+                    Ss[i, j] += W1[i, j]
+        for i in range(p):  # v = y - d - Z a: v_bar = u - ll_bar w (+ g_v); a_bar = a_f_bar - Z^T v_bar
+            vb = u[i] - ll_bar * w[i]
+            if has_v:
+                vb += g_v[s, i]
+            u[i] = vb
+            gy[s, i] += vb
+            gd[idd, i] -= vb
+            for j in range(m):
+                gZ[i, j] -= vb * ap[s, j]
         for j in range(m):
-            gZ[i, j] -= vb * ap[s, j]
-    for j in range(m):
-        x = af_bar[j]
-        for i in range(p):
-            x -= Zt[i, j] * u[i]
-        abar[j] = x + (g_ap[s, j] if _has(g_ap) else 0.0)
+            x = af_bar[j]
+            for i in range(p):
+                x -= Zt[i, j] * u[i]
+            abar[j] = x + (g_ap[s, j] if has_ap else 0.0)
+        if recursion:
+            _steady_cov_step(s, exact, Zt, cache, has_Pf, cot.predicted_cov, Pbar, sw, sums.Gs)
 
 
 @numba.njit(cache=True)
