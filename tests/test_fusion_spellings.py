@@ -112,8 +112,6 @@ def _kalman_case(spelling, intercepts, predict_first, kind="stable", seed=5, s=N
 @pytest.mark.parametrize("spelling,intercepts,predict_first", KALMAN_SPELLINGS,
                          ids=lambda x: "-".join(x) if isinstance(x, tuple) else str(x))
 def test_kalman_spellings_fused_and_equal(spelling, intercepts, predict_first):
-    if spelling[2].startswith("mvn"):
-        pytest.importorskip("pymc")  # a dev dependency: always present in the test environment
     ins, outs, wrt, vals = _kalman_case(spelling, intercepts, predict_first)
     pattern = "kalman_textbook_filtered" if predict_first else "kalman_textbook"
     assert [r.pattern for r in iterops.explain(outs).replaced] == [pattern]

@@ -17,9 +17,9 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import nutpie  # noqa: F401  (a dev dependency: without it pm.sample would fall back to its own NUTS)
 import pymc as pm
 import pytensor.tensor as pt
-import pytest
 import scipy.linalg
 import scipy.stats
 from statsmodels.tsa.arima_process import arma_acovf
@@ -31,7 +31,6 @@ import iterops
 from iterops import reference_loops as ref
 from iterops.ts.levinson_recursion import levinson_recursion
 
-pytest.importorskip("nutpie")  # a dev dependency; PyMC falls back to its own NUTS without it
 
 Y = np.array([0.3, -0.5, 0.8, 0.1, np.nan, -0.2, 0.6, 0.4, -0.9, 0.2])
 X_DATA = np.array([1.0, -0.4, 0.7, 0.2, -1.1, 0.5])
