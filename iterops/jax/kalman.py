@@ -31,12 +31,15 @@ Failure is a value, as in the kernel: if ``F_oo`` is not positive definite (or n
 from step ``t`` on are NaN (``forecast_error[t]``, ``forecast_error_cov[t]`` keep their values); the
 gradient is NaN.
 
-Gradient (``KalmanFilterGrad``): the reverse-mode adjoint of this recursion for the cotangents of all
-eight outputs, computed as the reverse pass of the ``lax.scan`` (``jax.vjp``: the stored per-step values
-play the role of the Numba adjoint's recomputed updates).  It is the same exact adjoint of the same
-steps as :mod:`iterops.ts._kalman_adjoint` (without its steady-state stretch shortcut); a disconnected
-cotangent reaches the Op as a zero-size placeholder and counts as zero; ``y`` gets a zero cotangent where
-missing.  The Op's ``predicted_state``/``predicted_cov`` inputs are not needed (the scan recomputes them).
+Gradient (``KalmanFilterGrad`` and ``jax.grad``, one ``jax.custom_vjp``): the hand-written reverse-mode
+adjoint of :mod:`iterops.ts._kalman_adjoint`, for the cotangents of all eight outputs, as a reverse
+``lax.scan`` (:func:`_adjoint`) over the forward scan's outputs and its per-step gains; each reverse step
+undoes a forward step's stages in the opposite order.  Not JAX autodiff of the forward scan: that stores
+every intermediate of every step and was twice as slow (see ``benchmarks/bench_jax.py``).  Without the
+Numba adjoint's steady-state stretch shortcut.  A disconnected cotangent (a JAX symbolic zero, or a
+zero-size placeholder from PyTensor's gradient Op) counts as zero and costs nothing; ``y`` gets a zero
+cotangent where missing.  The Op's ``predicted_state``/``predicted_cov`` inputs are not needed (the
+forward scan is run again, as the Numba adjoint recomputes each step's update).
 
 The smoother is the Durbin-Koopman backward recursion of :mod:`iterops.ts.kalman_smoother` over the
 filter's predictions (a reverse ``lax.scan``); all NaN where the filter fails.
@@ -170,8 +173,20 @@ def _loglik(u):
     return -0.5 * (k * LOG_2PI + logdet + u.vo @ w), w
 
 
-def _filter_scan(y, a0, P0, system, opts):
-    """The forward scan; returns ``(loglik, FilterResult tuple)`` with NaN/-inf failure values."""
+class _Residuals(NamedTuple):
+    """Per-step quantities of the forward pass that its reverse reads (stacked over t; zero on missing
+    components), besides the filter's outputs."""
+
+    K: jax.Array  # (n, m, p) gain
+    Finv: jax.Array  # (n, p, p) F_oo^{-1}
+    w: jax.Array  # (n, p) F_oo^{-1} v_o
+    failed: jax.Array  # () bool
+
+
+def _filter_scan(y, a0, P0, system, opts, residuals=False):
+    """The forward scan; returns ``(loglik, loglik_obs, filtered_state, filtered_cov, predicted_state,
+    predicted_cov, forecast_error, forecast_error_cov)`` with NaN/-inf failure values, and with
+    ``residuals`` a :class:`_Residuals` after them."""
     n, p = y.shape
     m = a0.shape[0]
     jit = opts.cov_jitter
@@ -185,7 +200,7 @@ def _filter_scan(y, a0, P0, system, opts):
         st = {**static, **tvt}
         c, d, T, Z, R, H, Q = (st[name] for name in SYSTEM_NAMES)
         u = _update(a, P, yt, d, Z, H, opts)
-        ll, _ = _loglik(u)
+        ll, w = _loglik(u)
         af = a + u.K @ u.vo
         Pf = _mirror_upper(u.S - u.K @ (u.M + jit * u.K).T) + jit * eye_m
         a_next = T @ af + c
@@ -197,13 +212,22 @@ def _filter_scan(y, a0, P0, system, opts):
         v = jnp.where(failed, nan, u.v)
         F = jnp.where(failed, nan, u.F)
         af, Pf, a_next, P_next = (jnp.where(dead, nan, x) for x in (af, Pf, a_next, P_next))
-        return (a_next, P_next, dead), (ll, af, Pf, a_next, P_next, v, F)
+        out = (ll, af, Pf, a_next, P_next, v, F)
+        if residuals:
+            both = u.obs[:, None] & u.obs[None, :]
+            Finv = jnp.where(both, _cho_solve(u.L, jnp.eye(p)), 0.0)
+            out = out + (u.K, Finv, w)
+        return (a_next, P_next, dead), out
 
-    (_, _, failed), (llo, af, Pf, ap, Pp, v, F) = lax.scan(step, (a0, P0, jnp.bool_(False)), (y, tv), length=n)
+    (_, _, failed), outs = lax.scan(step, (a0, P0, jnp.bool_(False)), (y, tv), length=n)
+    llo, af, Pf, ap, Pp, v, F = outs[:7]
     ap = jnp.concatenate([a0[None], ap], axis=0)
     Pp = jnp.concatenate([P0[None], Pp], axis=0)
     total = jnp.where(failed, -jnp.inf, jnp.sum(jnp.where(failed, 0.0, llo)))
-    return total, llo, af, Pf, ap, Pp, v, F
+    result = (total, llo, af, Pf, ap, Pp, v, F)
+    if residuals:
+        return result, _Residuals(*outs[7:], failed)
+    return result
 
 
 def kalman_filter(y, a0, P0, c, d, T, Z, R, H, Q, options=KalmanOptions()):
@@ -211,8 +235,8 @@ def kalman_filter(y, a0, P0, c, d, T, Z, R, H, Q, options=KalmanOptions()):
     matrix with its time axis, of length n if flagged in ``options.time_varying``, else 1).
 
     Returns ``(loglik, loglik_obs, filtered_state, filtered_cov, predicted_state, predicted_cov,
-    forecast_error, forecast_error_cov)`` in float64.  ``jax.grad`` runs :func:`kalman_filter_vjp` (a
-    ``jax.custom_vjp``: NaN gradients where the filter fails, as the Numba adjoint)."""
+    forecast_error, forecast_error_cov)`` in float64.  ``jax.grad`` runs the hand-written adjoint
+    (:func:`_adjoint`, a ``jax.custom_vjp``: NaN gradients where the filter fails, as the Numba adjoint)."""
     f64 = jnp.float64
     inputs = tuple(jnp.asarray(x, f64) for x in (y, a0, P0, c, d, T, Z, R, H, Q))
     return _filter(options, *inputs)
@@ -223,31 +247,139 @@ def _filter(options, y, a0, P0, *system):
     return _filter_scan(y, a0, P0, system, options)
 
 
-def _filter_fwd(options, *inputs):
-    return _filter(options, *inputs), inputs
+def _filter_fwd(options, *primals):
+    inputs = tuple(x.value for x in primals)  # symbolic_zeros: CustomVJPPrimal(value, perturbed)
+    outs, res = _filter_scan(inputs[0], inputs[1], inputs[2], inputs[3:], options, residuals=True)
+    return outs, (inputs, outs, res)
 
 
-def _filter_bwd(options, inputs, cts):
-    return kalman_filter_vjp(inputs, cts, options)
+def _filter_bwd(options, saved, cts):
+    inputs, outs, res = saved
+    return _adjoint(inputs, outs, res, _cotangents(cts, outs), options)
 
 
-_filter.defvjp(_filter_fwd, _filter_bwd)
+_filter.defvjp(_filter_fwd, _filter_bwd, symbolic_zeros=True)
+
+
+def _cotangents(cts, outs):
+    """Output cotangents with ``None`` for a disconnected one (a JAX symbolic zero, ``None`` or, from
+    PyTensor's gradient Op, a zero-size placeholder); the others float64 of their output's shape."""
+    from jax.custom_derivatives import SymbolicZero
+
+    result = []
+    for g, out in zip(cts, outs):
+        if g is None or isinstance(g, SymbolicZero) or (np.size(g) == 0 and out.size != 0):
+            result.append(None)
+        else:
+            result.append(jnp.broadcast_to(jnp.asarray(g, jnp.float64), out.shape))
+    return result
 
 
 def kalman_filter_vjp(inputs, cotangents, options=KalmanOptions()):
     """Cotangents of the 10 inputs from the cotangents of the 8 outputs (``None`` or a zero-size array:
-    disconnected, i.e. zero); all NaN when the filter fails."""
+    disconnected, i.e. zero); all NaN when the filter fails.  Runs the forward scan (keeping its
+    per-step gains) and then :func:`_adjoint`, as the Numba adjoint recomputes each step's update."""
     inputs = tuple(jnp.asarray(x, jnp.float64) for x in inputs)
-    outs, pull = jax.vjp(lambda y, a0, P0, *system: _filter_scan(y, a0, P0, system, options), *inputs)
-    cts = []
-    for g, out in zip(cotangents, outs):
-        if g is None or (np.size(g) == 0 and out.size != 0):
-            cts.append(jnp.zeros_like(out))
+    outs, res = _filter_scan(inputs[0], inputs[1], inputs[2], inputs[3:], options, residuals=True)
+    return _adjoint(inputs, outs, res, _cotangents(cotangents, outs), options)
+
+
+def _adjoint(inputs, outs, res, cts, opts):
+    r"""The reverse pass of :func:`_filter_scan`: a reverse ``lax.scan`` whose step reverses a forward
+    step's stages in the opposite order (:mod:`iterops.ts._kalman_steps`: ``predict_vjp``, ``loglik_vjp``,
+    ``update_vjp``, ``observe_vjp``), the output cotangents of step ``t`` joining where their output is
+    made.  With ``G = sym(P'_bar)``, ``S = sym(P_f_bar)``, ``M = sym(P) Z_o^T``::
+
+        P_f_bar = T^T G T;  a_f_bar = T^T a'_bar;  c_bar += a'_bar;  T_bar += a'_bar a_f^T + 2 G T P_f
+        R_bar += G R (Q + Q^T);  Q_bar += R^T G R                     (static R, Q: once, on sum G)
+        v_o_bar = -ll_bar w + K^T a_f_bar;  F_oo_bar = -ll_bar/2 (F_oo^{-1} - w w^T)
+        K_bar = (-S M - 2 j S K + a_f_bar v_o^T) F_oo^{-1};  M_bar = -S K + K_bar
+        X = sym(F_bar + F_oo_bar - K^T K_bar);  H_bar += X;  Z_bar += 2 X Z sym(P)
+        P_bar = sym(Z^T X Z + S + M_bar Z_o);  Z_o_bar = M_bar^T sym(P)
+        y_bar = v_o_bar;  d_bar -= v_o_bar;  Z_bar += Z_o_bar - v_o_bar a^T;  a_bar = a_f_bar - Z_o^T v_o_bar
+
+    (``F_bar``: the cotangent of ``forecast_error_cov[t]``; ``v_o_bar`` also gets ``forecast_error[t]``'s,
+    ``a_f_bar``, ``P_f_bar``, ``a_bar``, ``P_bar`` those of ``filtered_*[t]``, ``predicted_*[t]``.)  Missing
+    components are the zero rows/columns of ``K``, ``F_oo^{-1}``, ``w``, ``Z_o``.  A static matrix's
+    cotangent is summed in the scan's carry, a time-varying one is a scan output."""
+    y, a0, P0, *system = inputs
+    _, _, af, Pf, ap, Pp, v, _ = outs
+    g_ll, g_llo, g_af, g_Pf, g_ap, g_Pp, g_v, g_F = cts
+    n, p = y.shape
+    m = a0.shape[0]
+    jit = opts.cov_jitter
+    tv, static = _split_system(system, opts)
+    sum_rq = "R" in static and "Q" in static
+    zero = {name: jnp.zeros_like(x) for name, x in static.items()}
+    ll_bar0 = 0.0 if g_ll is None else g_ll
+    per_step = {"llo": g_llo, "af": g_af, "Pf": g_Pf, "ap": None if g_ap is None else g_ap[:-1],
+                "Pp": None if g_Pp is None else g_Pp[:-1], "v": g_v, "F": g_F}
+    per_step = {k: x for k, x in per_step.items() if x is not None}
+
+    def step(carry, xs):
+        abar, Pbar, acc, Grq = carry
+        yt, a, P, aft, Pft, vt, K, Finv, w, tvt, ct = xs
+        st = {**static, **tvt}
+        c, d, T, Z, R, H, Q = (st[name] for name in SYSTEM_NAMES)
+        obs = ~_missing(yt, opts)
+        vo = jnp.where(obs, vt, 0.0)
+        Ps = _mirror_upper(_sym(P))
+        Zo = jnp.where(obs[:, None], Z, 0.0)
+        M = Ps @ Zo.T
+        gs = {}
+        # predict: a' = T a_f + c, P' = T P_f T^T + R sym(Q) R^T
+        G = _sym(Pbar)
+        GT = G @ T
+        Pf_bar = T.T @ GT + ct.get("Pf", 0.0)
+        af_bar = T.T @ abar + ct.get("af", 0.0)
+        gs["c"] = abar
+        gs["T"] = jnp.outer(abar, aft) + 2.0 * GT @ Pft
+        if sum_rq:
+            Grq = Grq + G
         else:
-            cts.append(jnp.broadcast_to(jnp.asarray(g, jnp.float64), out.shape))
-    grads = pull(tuple(cts))
-    failed = jnp.isneginf(outs[0])
-    return tuple(jnp.where(failed, jnp.nan, g) for g in grads)
+            GR = G @ R
+            gs["R"] = GR @ (Q + Q.T)
+            gs["Q"] = R.T @ GR
+        # loglik: ll = -(k log 2 pi + log|F_oo| + v_o^T w) / 2
+        ll_bar = ll_bar0 + ct.get("llo", 0.0)
+        # update: P_f = Ps - K M^T - j K K^T + j I, a_f = a + K v_o, K = M F_oo^{-1}
+        S = _sym(Pf_bar)
+        M_bar = -S @ K
+        K_bar = (-S @ M + jnp.outer(af_bar, vo) + (2.0 * jit) * M_bar) @ Finv
+        M_bar = M_bar + K_bar
+        vo_bar = K.T @ af_bar - ll_bar * w
+        X = -0.5 * ll_bar * (Finv - jnp.outer(w, w)) - K.T @ K_bar + ct.get("F", 0.0)
+        X = _sym(X)
+        gs["H"] = X
+        XZ = X @ Z
+        P_bar_new = Z.T @ XZ + S + M_bar @ Zo
+        # observe: v_o = y_o - d_o - Z_o a
+        if "v" in ct:
+            vo_bar = vo_bar + jnp.where(obs, ct["v"], 0.0)
+        gs["d"] = -vo_bar
+        gs["Z"] = 2.0 * XZ @ Ps + M_bar.T @ Ps - jnp.outer(vo_bar, a)
+        abar = af_bar - Zo.T @ vo_bar + ct.get("ap", 0.0)
+        Pbar = _sym(P_bar_new) + ct.get("Pp", 0.0)
+        acc = {name: acc[name] + gs[name] for name in acc}
+        return (abar, Pbar, acc, Grq), (vo_bar, {name: gs[name] for name in tv})
+
+    acc0 = {name: z for name, z in zero.items() if not (sum_rq and name in "RQ")}
+    carry0 = (
+        jnp.zeros(m) if g_ap is None else g_ap[n],
+        jnp.zeros((m, m)) if g_Pp is None else g_Pp[n],
+        acc0,
+        jnp.zeros((m, m)),
+    )
+    xs = (y, ap[:-1], Pp[:-1], af, Pf, v, res.K, res.Finv, res.w, tv, per_step)
+    (abar, Pbar, acc, Grq), (y_bar, g_tv) = lax.scan(step, carry0, xs, length=n, reverse=True)
+    if sum_rq:
+        R, Q = static["R"], static["Q"]
+        GR = Grq @ R
+        acc["R"] = GR @ (Q + Q.T)
+        acc["Q"] = R.T @ GR
+    grads = {**{name: x[None] for name, x in acc.items()}, **g_tv}
+    result = (y_bar, abar, Pbar, *(grads[name] for name in SYSTEM_NAMES))
+    return tuple(jnp.where(res.failed, jnp.nan, g) for g in result)
 
 
 def kalman_smoother(y, a0, P0, c, d, T, Z, R, H, Q, options=KalmanOptions()):
