@@ -17,9 +17,10 @@ those of the identity (its Cholesky factor is then ``chol(F_oo)`` on the observe
 elsewhere, with the same determinant), ``v_o`` and the missing rows of ``Z_o`` are zero.  That is exactly
 "drop the missing components" (pymc-extras' masking), so the values are those of the Numba kernel to
 rounding.  Symmetric matrices are computed on the upper triangle and mirrored, as the kernels do.  For up
-to 4 observables the Cholesky factor of ``F_oo`` and its solves are unrolled element operations (a LAPACK
-call per time step costs more than a small matrix's arithmetic).  The
-steady-state shortcut of the Numba kernel (freezing ``P`` once converged to ``1e-14``) is not taken: the
+to 8 observables the Cholesky factor of ``F_oo`` and its solves are unrolled element operations, and small
+matrix products are broadcast products (:func:`iterops.jax._common.mm`): on CPU a LAPACK call or a ``dot``
+inside a ``lax.scan`` costs ~0.5 us per call, more than a small matrix's arithmetic, while element
+operations fuse (m = 4, p = 2: 5x faster forward, 8x loglik+gradient).  The steady-state shortcut of the Numba kernel (freezing ``P`` once converged to ``1e-14``) is not taken: the
 full recursion runs, which changes results only at that relative level.
 
 Options (the Op's props): ``time_varying`` (7 flags for c, d, T, Z, R, H, Q: a time-varying matrix is a
@@ -54,6 +55,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from iterops.jax._common import mm
 
 __all__ = ["KalmanOptions", "kalman_filter", "kalman_filter_vjp", "kalman_smoother"]
 
@@ -109,7 +112,7 @@ class _Update(NamedTuple):
 
 #: up to this many observables, the Cholesky factor and its solves are unrolled element operations (a
 #: LAPACK call per time step costs more than the arithmetic of a small matrix)
-_SMALL_P = 4
+_SMALL_P = 8
 
 
 def _chol(F):
@@ -147,13 +150,13 @@ def _update(a, P, yt, d, Z, H, opts):
     miss = _missing(yt, opts)
     obs = ~miss
     y0 = jnp.where(obs, yt, 0.0)
-    v_all = (y0 - d) - Z @ a
+    v_all = (y0 - d) - mm(Z, a)
     v = jnp.where(obs, v_all, jnp.nan)
     vo = jnp.where(obs, v_all, 0.0)
     S = _mirror_upper(_sym(P))
-    PZ = S @ Z.T
+    PZ = mm(S, Z.T)
     eye_p = jnp.eye(p)
-    F = _mirror_upper(Z @ PZ + _sym(H)) + jit * eye_p
+    F = _mirror_upper(mm(Z, PZ) + _sym(H)) + jit * eye_p
     both = obs[:, None] & obs[None, :]
     Foo = jnp.where(both, F, eye_p)
     ok = jnp.all(jnp.isfinite(Foo))
@@ -170,7 +173,7 @@ def _loglik(u):
     k = jnp.sum(u.obs)
     w = _cho_solve(u.L, u.vo)
     logdet = 2.0 * jnp.sum(jnp.log(jnp.diagonal(u.L)))
-    return -0.5 * (k * LOG_2PI + logdet + u.vo @ w), w
+    return -0.5 * (k * LOG_2PI + logdet + jnp.sum(u.vo * w)), w
 
 
 class _Residuals(NamedTuple):
@@ -201,11 +204,11 @@ def _filter_scan(y, a0, P0, system, opts, residuals=False):
         c, d, T, Z, R, H, Q = (st[name] for name in SYSTEM_NAMES)
         u = _update(a, P, yt, d, Z, H, opts)
         ll, w = _loglik(u)
-        af = a + u.K @ u.vo
-        Pf = _mirror_upper(u.S - u.K @ (u.M + jit * u.K).T) + jit * eye_m
-        a_next = T @ af + c
-        RQ = R @ (0.5 * (Q + Q.T))
-        P_next = _mirror_upper((T @ Pf) @ T.T + RQ @ R.T)
+        af = a + mm(u.K, u.vo)
+        Pf = _mirror_upper(u.S - mm(u.K, (u.M + jit * u.K).T)) + jit * eye_m
+        a_next = mm(T, af) + c
+        RQ = mm(R, 0.5 * (Q + Q.T))
+        P_next = _mirror_upper(mm(mm(T, Pf), T.T) + mm(RQ, R.T))
         fail_now = ~failed & ~u.ok
         dead = failed | fail_now
         ll = jnp.where(failed, nan, jnp.where(fail_now, -jnp.inf, ll))
@@ -325,40 +328,40 @@ def _adjoint(inputs, outs, res, cts, opts):
         vo = jnp.where(obs, vt, 0.0)
         Ps = _mirror_upper(_sym(P))
         Zo = jnp.where(obs[:, None], Z, 0.0)
-        M = Ps @ Zo.T
+        M = mm(Ps, Zo.T)
         gs = {}
         # predict: a' = T a_f + c, P' = T P_f T^T + R sym(Q) R^T
         G = _sym(Pbar)
-        GT = G @ T
-        Pf_bar = T.T @ GT + ct.get("Pf", 0.0)
-        af_bar = T.T @ abar + ct.get("af", 0.0)
+        GT = mm(G, T)
+        Pf_bar = mm(T.T, GT) + ct.get("Pf", 0.0)
+        af_bar = mm(T.T, abar) + ct.get("af", 0.0)
         gs["c"] = abar
-        gs["T"] = jnp.outer(abar, aft) + 2.0 * GT @ Pft
+        gs["T"] = jnp.outer(abar, aft) + 2.0 * mm(GT, Pft)
         if sum_rq:
             Grq = Grq + G
         else:
-            GR = G @ R
-            gs["R"] = GR @ (Q + Q.T)
-            gs["Q"] = R.T @ GR
+            GR = mm(G, R)
+            gs["R"] = mm(GR, Q + Q.T)
+            gs["Q"] = mm(R.T, GR)
         # loglik: ll = -(k log 2 pi + log|F_oo| + v_o^T w) / 2
         ll_bar = ll_bar0 + ct.get("llo", 0.0)
         # update: P_f = Ps - K M^T - j K K^T + j I, a_f = a + K v_o, K = M F_oo^{-1}
         S = _sym(Pf_bar)
-        M_bar = -S @ K
-        K_bar = (-S @ M + jnp.outer(af_bar, vo) + (2.0 * jit) * M_bar) @ Finv
+        M_bar = -mm(S, K)
+        K_bar = mm(-mm(S, M) + jnp.outer(af_bar, vo) + (2.0 * jit) * M_bar, Finv)
         M_bar = M_bar + K_bar
-        vo_bar = K.T @ af_bar - ll_bar * w
-        X = -0.5 * ll_bar * (Finv - jnp.outer(w, w)) - K.T @ K_bar + ct.get("F", 0.0)
+        vo_bar = mm(K.T, af_bar) - ll_bar * w
+        X = -0.5 * ll_bar * (Finv - jnp.outer(w, w)) - mm(K.T, K_bar) + ct.get("F", 0.0)
         X = _sym(X)
         gs["H"] = X
-        XZ = X @ Z
-        P_bar_new = Z.T @ XZ + S + M_bar @ Zo
+        XZ = mm(X, Z)
+        P_bar_new = mm(Z.T, XZ) + S + mm(M_bar, Zo)
         # observe: v_o = y_o - d_o - Z_o a
         if "v" in ct:
             vo_bar = vo_bar + jnp.where(obs, ct["v"], 0.0)
         gs["d"] = -vo_bar
-        gs["Z"] = 2.0 * XZ @ Ps + M_bar.T @ Ps - jnp.outer(vo_bar, a)
-        abar = af_bar - Zo.T @ vo_bar + ct.get("ap", 0.0)
+        gs["Z"] = 2.0 * mm(XZ, Ps) + mm(M_bar.T, Ps) - jnp.outer(vo_bar, a)
+        abar = af_bar - mm(Zo.T, vo_bar) + ct.get("ap", 0.0)
         Pbar = _sym(P_bar_new) + ct.get("Pp", 0.0)
         acc = {name: acc[name] + gs[name] for name in acc}
         return (abar, Pbar, acc, Grq), (vo_bar, {name: gs[name] for name in tv})
@@ -400,11 +403,11 @@ def kalman_smoother(y, a0, P0, c, d, T, Z, R, H, Q, options=KalmanOptions()):
         u = _update(a, P, yt, d, Z, H, options)
         _, w = _loglik(u)
         Finv = _cho_solve(u.L, jnp.eye(yt.shape[0]))
-        Lt = T @ (eye_m - u.K @ u.Zo)
-        r = u.Zo.T @ w + Lt.T @ r
-        N = _sym(Lt.T @ (N @ Lt) + u.Zo.T @ (Finv @ u.Zo))
-        a_s = a + P @ r
-        P_s = _sym(P - P @ (N @ P))
+        Lt = mm(T, eye_m - mm(u.K, u.Zo))
+        r = mm(u.Zo.T, w) + mm(Lt.T, r)
+        N = _sym(mm(Lt.T, mm(N, Lt)) + mm(u.Zo.T, mm(Finv, u.Zo)))
+        a_s = a + mm(P, r)
+        P_s = _sym(P - mm(P, mm(N, P)))
         return (r, N), (a_s, P_s)
 
     xs = (y, ap[:-1], Pp[:-1], tv)
