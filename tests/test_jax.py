@@ -483,6 +483,74 @@ def test_jit_vmap_recursions_against_oracles(rng):
         np.testing.assert_array_equal(B[i], scipy.linalg.block_diag(*blocks[i]))
 
 
+def test_jit_vmap_levinson_recursion_gradient_against_reference_scan(rng):
+    """``jax.grad`` of the loop replica (its ``custom_vjp``: the hand-written reverse scan) under ``jit`` and
+    ``vmap`` == PyTensor's autodiff of the reference Scan, for every cotangent and every ``v`` spelling,
+    including a ``gamma`` that is not positive definite (``v_k < 0``: the loop continues)."""
+    from iterops.reference_loops import levinson_loop, levinson_spelled_step
+    from iterops.ts.levinson_recursion import V_UPDATES
+
+    order = 4
+    gammas = np.stack([_ar_acov(rng)[: order + 2], np.r_[2.0, 0.5 * rng.normal(size=order + 1)],
+                       np.r_[1.0, 1.5, 0.2, -0.7, 0.3, 0.1]])
+    w_phi, w_v, w_k = rng.normal(size=order), rng.normal(), rng.normal(size=order)
+    mode = pytensor.compile.get_default_mode().excluding("iterops")
+    for v_form, spelling in enumerate(V_UPDATES):
+        g = pt.dvector("gamma")
+        phi, v, kappa = levinson_loop(g, order, step=levinson_spelled_step(spelling))
+        cost = (w_phi * phi).sum() + w_v * v + (w_k * kappa).sum()
+        f = pytensor.function([g], [phi, v, kappa, pytensor.grad(cost, g)], mode=mode)
+
+        def jcost(gamma, v_form=v_form):
+            phi, v, kappa = jlevinson.levinson_recursion(gamma, order, v_form)
+            return jnp.sum(w_phi * phi) + w_v * v + jnp.sum(w_k * kappa), (phi, v, kappa)
+
+        grads, (phis, vs, kappas) = jax.jit(jax.vmap(jax.grad(jcost, has_aux=True)))(gammas)
+        for i, gamma in enumerate(gammas):
+            e_phi, e_v, e_kappa, e_grad = f(gamma)
+            _close(phis[i], e_phi, what=f"phi {spelling} {i}")
+            _close(vs[i], e_v, what=f"v {spelling} {i}")
+            _close(kappas[i], e_kappa, what=f"kappa {spelling} {i}")
+            _close(grads[i], e_grad, what=f"gradient {spelling} {i}")
+
+
+def _central_jacobian(f, x, h=1e-6):
+    cols = [(np.asarray(f(x + h * e)) - np.asarray(f(x - h * e))) / (2 * h) for e in np.eye(x.shape[0])]
+    return np.stack(cols, axis=-1)
+
+
+def test_jit_vmap_ar_derivatives_against_finite_differences(rng):
+    """The hand-written linearizations of the lattice maps (``ar_derivative``, both modes, and ``jax.grad``
+    of each map's ``custom_vjp``) under ``jit`` and ``vmap`` against central differences of the maps
+    (themselves checked against statsmodels above); NaN where the map fails."""
+    nlags = 6
+    pacf = np.stack([rng.uniform(-0.9, 0.9, size=4) for _ in range(3)])
+    phi = np.asarray(jax.vmap(jar.pacf_to_ar)(pacf))
+    maps = {
+        "pacf_to_ar": (pacf, jar.pacf_to_ar),
+        "ar_to_pacf": (phi, jar.ar_to_pacf),
+        "ar_to_acov": (phi, lambda x: jar.ar_to_acov(x, 1.0, nlags)),
+    }
+    for fn, (xs, f) in maps.items():
+        n_out = nlags + 1 if fn == "ar_to_acov" else 4
+        ws, ts = rng.normal(size=(3, n_out)), rng.normal(size=(3, 4))
+        vjp = jax.jit(jax.vmap(lambda x, w, fn=fn: jar.ar_derivative(fn, "vjp", x, w, nlags)))(xs, ws)
+        jvp = jax.jit(jax.vmap(lambda x, t, fn=fn: jar.ar_derivative(fn, "jvp", x, t, nlags)))(xs, ts)
+        grad = jax.jit(jax.vmap(jax.grad(lambda x, w, f=f: jnp.sum(w * f(x)))))(xs, ws)
+        for i in range(3):
+            J = _central_jacobian(f, xs[i])
+            np.testing.assert_allclose(vjp[i], ws[i] @ J, rtol=1e-6, atol=1e-8, err_msg=f"{fn} vjp")
+            np.testing.assert_allclose(grad[i], ws[i] @ J, rtol=1e-6, atol=1e-8, err_msg=f"{fn} grad")
+            np.testing.assert_allclose(jvp[i], J @ ts[i], rtol=1e-6, atol=1e-8, err_msg=f"{fn} jvp")
+    s2_grad = jax.grad(lambda s: jnp.sum(jar.ar_to_acov(jnp.asarray(phi[0]), s, nlags)))(1.3)
+    np.testing.assert_allclose(s2_grad, np.sum(jar.ar_to_acov(phi[0], 1.0, nlags)), rtol=1e-12)
+    bad = jnp.array([0.5, 1.0, 0.2, 0.1])  # |pacf_2| = 1: pacf_to_ar fails; as AR coefficients, not stationary
+    for fn in maps:
+        for mode in ("vjp", "jvp"):
+            v = jnp.ones(nlags + 1 if (fn == "ar_to_acov" and mode == "vjp") else 4)
+            assert np.all(np.isnan(jar.ar_derivative(fn, mode, bad * (1 if fn == "pacf_to_ar" else 3), v, nlags)))
+
+
 # ---------------------------------------------------------------------------
 # Kalman filter against dynamax and statsmodels
 # ---------------------------------------------------------------------------

@@ -12,9 +12,11 @@ arithmetic, inf/NaN where the loop has them), except all-NaN when ``gamma`` is s
 Gradients: ``LevinsonDurbin`` and ``AutoCov`` are differentiated by PyTensor (implicit Toeplitz solve,
 convolutions), so a JAX gradient graph holds :class:`~iterops.ts.toeplitz.SolveToeplitz` and
 :class:`~iterops.ts.ar.ARDerivative` (see :mod:`iterops.jax.toeplitz`, :mod:`iterops.jax.ar`).
-``LevinsonRecursionGrad`` is the reverse pass of the recursion as run: the reverse-mode derivative of
-the ``lax.scan`` below (``jax.vjp``), the same exact adjoint of the same steps as the Numba kernel's
-hand-written ``_step_vjp`` (disconnected cotangents count as zero).
+``LevinsonRecursionGrad`` (and ``jax.grad`` of
+:func:`levinson_recursion`, a ``jax.custom_vjp``) is the Numba kernel's hand-written adjoint: the forward
+scan again keeping its tape (``phi^(k)``, ``v_k`` entering each step), then a reverse ``lax.scan`` of
+:func:`_step_vjp`, the adjoint of :func:`_step` written next to it (disconnected cotangents count as
+zero).  ``v_form`` (how the loop spells ``v (1 - kappa^2)``) is followed as the kernel does.
 """
 
 from __future__ import annotations
@@ -38,43 +40,108 @@ def _numerator(gamma, k, phi):
     return gamma[k + 1] - jnp.sum(jnp.where(j < k, phi * g, 0))
 
 
-def _step(gamma, k, phi, v):
+def _new_v(v, kappa, v_form):
+    """``v (1 - kappa^2)`` as the loop spells it (:data:`iterops.ts.levinson_recursion.V_UPDATES`)."""
+    if v_form == 1:
+        return v - (kappa * kappa) * v
+    if v_form == 2:
+        return v * (1 - kappa) * (1 + kappa)
+    return v * (1 - kappa * kappa)
+
+
+def _step(gamma, k, phi, v, v_form=0):
     """Step ``k`` of Durbin's recursion: ``(new phi, new v, kappa)``."""
     kappa = _numerator(gamma, k, phi) / v
     j = jnp.arange(phi.shape[0])
     new = jnp.where(j < k, phi - kappa * masked_reverse(phi, k), phi)
     new = jnp.where(j == k, kappa, new)
-    return new, v * (1 - kappa * kappa), kappa
+    return new, _new_v(v, kappa, v_form), kappa
 
 
-def _recursion(gamma, order):
+def _step_vjp(gamma, k, phi, v, kappa, phi_bar, v_bar, kappa_bar, gamma_bar):
+    """Adjoint of :func:`_step` (:func:`iterops.ts.levinson_recursion._step_vjp`): from the cotangents
+    of the step's new ``phi``, new ``v`` and its ``kappa``, those of ``phi`` and ``v`` entering it, with
+    ``gamma_bar`` accumulated.  Returns ``(phi_bar, v_bar, gamma_bar)``."""
+    n, p = gamma.shape[0], phi.shape[0]
+    j = jnp.arange(p)
+    low = j < k
+    v_bar_in = v_bar * (1 - kappa * kappa)  # v_new = v (1 - kappa^2)
+    kb = kappa_bar - (v_bar * v) * (kappa + kappa)
+    kb = kb + phi_bar[k]  # new_phi[k] = kappa
+    kb = kb - jnp.sum(jnp.where(low, phi_bar * masked_reverse(phi, k), 0))  # new_phi[:k] = phi - kappa phi[::-1]
+    phi_bar = jnp.where(low, phi_bar - kappa * masked_reverse(phi_bar, k), 0)  # I - kappa R is symmetric
+    num = _numerator(gamma, k, phi)  # kappa = num / v
+    num_bar = kb / v
+    v_bar_in = v_bar_in - (kb * num) / (v * v)
+    # num = gamma[k + 1] - sum_{j<k} phi[j] gamma[k - j]
+    lag = jnp.clip(k - j, 0, n - 1)
+    phi_bar = phi_bar - jnp.where(low, num_bar * gamma[lag], 0)
+    gamma_bar = gamma_bar.at[k + 1].add(num_bar).at[lag].add(jnp.where(low, -num_bar * phi, 0))
+    return phi_bar, v_bar_in, gamma_bar
+
+
+def _recursion(gamma, order, v_form=0):
+    """``(phi, v, kappa)`` and the tape ``(phi^(k), v_k)`` entering each step."""
+
     def body(c, k):
         phi, v = c
-        phi, v, kappa = _step(gamma, k, phi, v)
-        return (phi, v), kappa
+        new, v_new, kappa = _step(gamma, k, phi, v, v_form)
+        return (new, v_new), (kappa, phi, v)
 
-    (phi, v), kappa = lax.scan(body, (jnp.zeros(order, gamma.dtype), gamma[0]), jnp.arange(order))
-    return phi, v, kappa
+    (phi, v), (kappa, phis, vs) = lax.scan(body, (jnp.zeros(order, gamma.dtype), gamma[0]), jnp.arange(order))
+    return (phi, v, kappa), (phis, vs)
 
 
-def levinson_recursion(gamma, order):
-    """The user's Levinson loop on one ``gamma`` (n,), in its dtype: ``(phi (order,), sigma2, kappa (order,))``."""
-    if gamma.shape[0] < order + 1:
+def _short(gamma, order):
+    return gamma.shape[0] < order + 1
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def levinson_recursion(gamma, order, v_form=0):
+    """The user's Levinson loop on one ``gamma`` (n,), in its dtype: ``(phi (order,), sigma2, kappa (order,))``.
+
+    ``jax.grad`` runs :func:`levinson_recursion_vjp` (the hand-written adjoint, a ``jax.custom_vjp``)."""
+    if _short(gamma, order):
         nan = jnp.full(order, jnp.nan, gamma.dtype)
         return nan, jnp.asarray(jnp.nan, gamma.dtype), nan
     if order == 0:
         return jnp.zeros(0, gamma.dtype), gamma[0], jnp.zeros(0, gamma.dtype)
-    return _recursion(gamma, order)
+    return _recursion(gamma, order, v_form)[0]
 
 
-def levinson_recursion_vjp(gamma, order, phi_bar, v_bar, kappa_bar):
-    """``gamma_bar`` (n,) from the cotangents of ``(phi, sigma2, kappa)``."""
-    if gamma.shape[0] < order + 1:
-        return jnp.full(gamma.shape, jnp.nan, gamma.dtype)
-    _, vjp = jax.vjp(lambda g: levinson_recursion(g, order), gamma)
+def _recursion_fwd(gamma, order, v_form):
+    return levinson_recursion(gamma, order, v_form), gamma
+
+
+def _recursion_bwd(order, v_form, gamma, cts):
+    return (levinson_recursion_vjp(gamma, order, *cts, v_form=v_form),)
+
+
+levinson_recursion.defvjp(_recursion_fwd, _recursion_bwd)
+
+
+def levinson_recursion_vjp(gamma, order, phi_bar, v_bar, kappa_bar, v_form=0):
+    """``gamma_bar`` (n,) from the cotangents of ``(phi, sigma2, kappa)``: the forward scan again, keeping
+    its tape, then a reverse ``lax.scan`` of :func:`_step_vjp` over ``k = order-1..0``, and
+    ``gamma_bar[0] += v_bar_0`` (as :func:`iterops.ts.levinson_recursion.levinson_recursion_vjp_kernel`)."""
     dt = gamma.dtype
-    (g,) = vjp((phi_bar.astype(dt), jnp.asarray(v_bar, dt), kappa_bar.astype(dt)))
-    return g
+    if _short(gamma, order):
+        return jnp.full(gamma.shape, jnp.nan, dt)
+    phi_bar, v_bar, kappa_bar = (jnp.asarray(x).astype(dt) for x in (phi_bar, v_bar, kappa_bar))
+    gamma_bar = jnp.zeros_like(gamma)
+    if order == 0:
+        return gamma_bar.at[0].add(v_bar)
+    (_, _, kappa), (phis, vs) = _recursion(gamma, order, v_form)
+
+    def back(c, xs):
+        phi_bar, v_bar, gamma_bar = c
+        k, phi, v, kap, kb = xs
+        return _step_vjp(gamma, k, phi, v, kap, phi_bar, v_bar, kb, gamma_bar), None
+
+    xs = (jnp.arange(order), phis, vs, kappa, jnp.broadcast_to(kappa_bar, (order,)))
+    (_, v_bar, gamma_bar), _ = lax.scan(back, (jnp.broadcast_to(phi_bar, (order,)), v_bar, gamma_bar), xs,
+                                        reverse=True)
+    return gamma_bar.at[0].add(v_bar)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -146,19 +213,20 @@ def register(jax_funcify):
 
     @jax_funcify.register(LevinsonRecursion)
     def _recursion_fn(op, node=None, **kwargs):
-        order, dt = op.order, node.outputs[0].type.dtype
+        order, v_form, dt = op.order, op.v_form, node.outputs[0].type.dtype
 
         def levinson_recursion_fn(gamma):
-            return cast_outputs(node, levinson_recursion(gamma.astype(dt), order))
+            return cast_outputs(node, levinson_recursion(gamma.astype(dt), order, v_form))
 
         return levinson_recursion_fn
 
     @jax_funcify.register(LevinsonRecursionGrad)
     def _recursion_grad_fn(op, node=None, **kwargs):
-        order, dt = op.order, node.outputs[0].type.dtype
+        order, v_form, dt = op.order, op.v_form, node.outputs[0].type.dtype
 
         def levinson_recursion_grad_fn(gamma, phi_bar, v_bar, kappa_bar):
-            return cast_outputs(node, levinson_recursion_vjp(gamma.astype(dt), order, phi_bar, v_bar, kappa_bar))
+            g = levinson_recursion_vjp(gamma.astype(dt), order, phi_bar, v_bar, kappa_bar, v_form)
+            return cast_outputs(node, g)
 
         return levinson_recursion_grad_fn
 
