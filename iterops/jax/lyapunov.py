@@ -115,7 +115,9 @@ def solve_discrete_lyapunov(A, Q, method="auto", tol=0.0, max_iter=100):
     Same algorithm, stop rule and failure values as :func:`iterops.linalg.lyapunov.lyapunov_kernel`.
     Differentiable in reverse mode (``jax.grad``, which PyMC's JAX samplers use) by the implicit function
     theorem, as the Op's pullback: with ``S`` solving ``A^H S A - S + X_bar = 0`` (this function again),
-    ``Q_bar = S`` and ``A_bar = S A X^H + S^H A X`` (real inputs; complex ones follow the same formula).
+    ``Q_bar = S`` and ``A_bar = S A X^H + S^H A X``.  For complex inputs these are the gradients
+    ``dL/dRe + i dL/dIm`` (``X_bar`` likewise); JAX's cotangents are their conjugates, which the rule
+    converts.
     """
     A = jnp.asarray(A)
     Q = jnp.asarray(Q)
@@ -135,8 +137,11 @@ def _lyapunov_fwd(A, Q, method, tol, max_iter):
 
 def _lyapunov_bwd(method, tol, max_iter, res, X_bar):
     A, X = res
-    S = _lyapunov(_ct(A), X_bar.astype(A.dtype), method, tol, max_iter)  # A^H S A - S + X_bar = 0
-    return S @ A @ _ct(X) + _ct(S) @ A @ X, S
+    # JAX's cotangent of a complex value is the conjugate of the gradient G = dL/dRe + i dL/dIm; the
+    # adjoint below is in terms of G (the real inner product Re tr(U^H V)), so conjugate in and out.
+    G = jnp.conj(X_bar.astype(A.dtype))
+    S = _lyapunov(_ct(A), G, method, tol, max_iter)  # A^H S A - S + G = 0
+    return jnp.conj(S @ A @ _ct(X) + _ct(S) @ A @ X), jnp.conj(S)
 
 
 _lyapunov.defvjp(_lyapunov_fwd, _lyapunov_bwd)
