@@ -422,6 +422,17 @@ def kalman_smoother(y, a0, P0, c, d, T, Z, R, H, Q, options=KalmanOptions()):
     return jnp.where(bad, jnp.nan, a_s), jnp.where(bad, jnp.nan, P_s)
 
 
+#: the Ops' filter inputs, in order (``KalmanFilterGrad`` then takes ``predicted_state``, ``predicted_cov`` and
+#: the 8 output cotangents)
+OP_INPUTS = ("y", "a0", "P0", *SYSTEM_NAMES)
+
+
+def op_inputs(args):
+    """``(filter inputs, the rest)`` of an Op's inputs: the one place that knows their layout."""
+    k = len(OP_INPUTS)
+    return tuple(args[:k]), tuple(args[k:])
+
+
 def register(jax_funcify):
     from iterops.ts.kalman import KalmanFilter, KalmanFilterGrad
     from iterops.ts.kalman_smoother import KalmanSmoother
@@ -433,7 +444,8 @@ def register(jax_funcify):
     def _filter(op, node=None, **kwargs):
         opts = options(op)
 
-        def kalman_filter_fn(*inputs):
+        def kalman_filter_fn(*args):
+            inputs, _ = op_inputs(args)
             return kalman_filter(*inputs, options=opts)
 
         return kalman_filter_fn
@@ -443,8 +455,8 @@ def register(jax_funcify):
         opts = options(op)
 
         def kalman_filter_grad_fn(*args):
-            inputs, cots = args[:10], args[12:]
-            return kalman_filter_vjp(inputs, cots, opts)
+            inputs, rest = op_inputs(args)
+            return kalman_filter_vjp(inputs, rest[2:], opts)  # predicted_state/_cov: recomputed
 
         return kalman_filter_grad_fn
 
@@ -452,7 +464,8 @@ def register(jax_funcify):
     def _smoother(op, node=None, **kwargs):
         opts = options(op)
 
-        def kalman_smoother_fn(*inputs):
+        def kalman_smoother_fn(*args):
+            inputs, _ = op_inputs(args)
             return kalman_smoother(*inputs, options=opts)
 
         return kalman_smoother_fn
