@@ -92,6 +92,15 @@ O(m p + m^2) mean path runs per step, with or without jitter
 (:func:`iterops.ts._kalman_adjoint._steady_adjoint_run`).  The gradient Op itself
 is not differentiable (second derivatives raise).
 
+Exact diffuse initialization (``kalman_filter(..., diffuse=mask_or_P_inf)``): Durbin & Koopman's exact
+initial Kalman filter with ``P_1 = P0 + kappa P_inf``, ``kappa -> infinity``, as statsmodels'
+``initialization='diffuse'`` computes it (equations, log-likelihood convention and outputs of the diffuse
+steps in :mod:`iterops.ts._kalman_diffuse`).  One Op, :class:`KalmanFilterDiffuse` (an extra input
+``P_inf``): its entry point runs the diffuse steps ``t < d``, then the ordinary filter's entry point,
+unchanged, on steps ``d..n-1`` from ``(a_d, P_d)``; its adjoint (:class:`KalmanFilterDiffuseGrad`) runs the
+ordinary adjoint on the tail and reverses the diffuse steps by hand.  A model without ``diffuse`` compiles
+only the ordinary kernels.
+
 The kernels sit behind a C-ABI barrier (:class:`iterops._fused.OpaqueKernel`):
 they compile once per machine (about a minute, cached on disk) and a new graph
 that uses them compiles in about a second.
@@ -120,6 +129,8 @@ Where the code is, in reading order
 this module
     the C-ABI entry points, the Ops :class:`KalmanFilter` and :class:`KalmanFilterGrad`,
     validation, :func:`kalman_filter` and :func:`stationary_cov`.
+``iterops/ts/_kalman_diffuse.py``
+    the exact diffuse steps and their reverse (``diffuse=``).
 ``iterops/ts/kalman_smoother.py``
     :func:`iterops.ts.kalman_smoother`: kernel, entry point, Op, public function.
 """
