@@ -151,6 +151,7 @@ from pytensor.tensor.variable import TensorVariable
 from iterops._fused import F64P, FusedOp, data_ptr, entry_point, keep_alive, opaque_kernel, register_fused_op
 from iterops._validate import as_tensor, float_dtype
 from iterops.ts._kalman_adjoint import Cotangents, InputCotangents, kalman_adjoint_kernel
+from iterops.ts._kalman_diffuse import DiffuseOutputs, diffuse_adjoint, diffuse_filter, diffuse_outputs
 from iterops.ts._kalman_filter import FilterOutputs, filter_into, filter_outputs, kalman_filter_kernel
 from iterops.ts._kalman_steps import Options, System
 
@@ -471,14 +472,101 @@ def _tail_or_empty(g, start):
     return g[start:] if g.shape[0] > 0 else g[0:]
 
 
+@numba.njit(cache=True)
+def _system_from_pointers(c, d, T, Z, R, H, Q, s):
+    """:class:`System` over C-ABI pointers, ``s`` = :func:`input_sizes`."""
+    p, m, r = s[1], s[2], s[3]
+    return System(
+        numba.carray(c, (s[4], m)), numba.carray(d, (s[5], p)), numba.carray(T, (s[6], m, m)),
+        numba.carray(Z, (s[7], p, m)), numba.carray(R, (s[8], m, r)), numba.carray(H, (s[9], p, p)),
+        numba.carray(Q, (s[10], r, r)),
+    )
+
+
+@numba.njit(cache=True)
+def _diffuse_from_pointers(llo, af, Pf, ap, Pp, v, F, Pi, n, m, p):
+    """:class:`iterops.ts._kalman_diffuse.DiffuseOutputs` over C-ABI pointers."""
+    return DiffuseOutputs(
+        numba.carray(llo, (n,)), numba.carray(af, (n, m)), numba.carray(Pf, (n, m, m)), numba.carray(ap, (n + 1, m)),
+        numba.carray(Pp, (n + 1, m, m)), numba.carray(v, (n, p)), numba.carray(F, (n, p, p)),
+        numba.carray(Pi, (n + 1, m, m)),
+    )
+
+
+@opaque_kernel(F64(*([F64P] * 19), I64P, F64, I64))
+def _diffuse_filter_abi(y, a0, P0, Pinf, c, d, T, Z, R, H, Q, llo, af, Pf, ap, Pp, v, F, Pi, sizes, mv, use_mv):
+    """C-ABI barrier around :func:`iterops.ts._kalman_diffuse.diffuse_filter` (a new graph does not
+    re-optimize the diffuse kernel).  ``sizes``: :func:`input_sizes`, then two slots the kernel writes: the
+    first non-diffuse step ``d`` and ``ok``.  Returns the log-likelihood of the diffuse steps."""
+    s = numba.carray(sizes, (13,))
+    n, p, m = s[0], s[1], s[2]
+    out = _diffuse_from_pointers(llo, af, Pf, ap, Pp, v, F, Pi, n, m, p)
+    ll, dd, ok = diffuse_filter(
+        numba.carray(y, (n, p)), numba.carray(a0, (m,)), numba.carray(P0, (m, m)), numba.carray(Pinf, (m, m)),
+        _system_from_pointers(c, d, T, Z, R, H, Q, s), Options(0.0, mv, use_mv != 0), out,
+    )
+    s[11] = dd
+    s[12] = 1 if ok else 0
+    return ll
+
+
+@opaque_kernel(F64(*([F64P] * 36), I64P, F64, I64, F64))
+def _diffuse_adjoint_abi(y, c, d, T, Z, R, H, Q, llo, af, Pf, ap, Pp, v, F, Pi, gllo, gaf, gPf, gap, gPp, gv, gF,
+                         a_bar, P_bar, oy, oa0, oP0, oc, od, oT, oZ, oR, oH, oQ, oPi, sizes, mv, use_mv, gll):
+    """C-ABI barrier around :func:`iterops.ts._kalman_diffuse.diffuse_adjoint`: inputs, the forward tape
+    (:class:`~iterops.ts._kalman_diffuse.DiffuseOutputs`), the output cotangents, the cotangents of
+    ``(a_d, P_d)``, the input cotangents to accumulate into (``oPi``: written).  ``sizes``:
+    :func:`input_sizes`, the rows of the 7 per-step cotangents (0: disconnected), ``d``.  Returns 0."""
+    s = numba.carray(sizes, (19,))
+    n, p, m = s[0], s[1], s[2]
+    system = _system_from_pointers(c, d, T, Z, R, H, Q, s)
+    tape = _diffuse_from_pointers(llo, af, Pf, ap, Pp, v, F, Pi, n, m, p)
+    cot = Cotangents(
+        gll, numba.carray(gllo, (s[11],)), numba.carray(gaf, (s[12], m)), numba.carray(gPf, (s[13], m, m)),
+        numba.carray(gap, (s[14], m)), numba.carray(gPp, (s[15], m, m)), numba.carray(gv, (s[16], p)),
+        numba.carray(gF, (s[17], p, p)),
+    )
+    grad = InputCotangents(
+        numba.carray(oy, (n, p)), numba.carray(oa0, (m,)), numba.carray(oP0, (m, m)),
+        _system_from_pointers(oc, od, oT, oZ, oR, oH, oQ, s),
+    )
+    numba.carray(oPi, (m, m))[:, :] = diffuse_adjoint(
+        numba.carray(y, (n, p)), system, Options(0.0, mv, use_mv != 0), tape, s[18], cot,
+        numba.carray(a_bar, (m,)), numba.carray(P_bar, (m, m)), grad,
+    )
+    return 0.0
+
+
+def _diffuse_runner(fabi, mv, flag):
+    """A jitted ``run(y, a0, P0, P_inf, c, d, T, Z, R, H, Q) -> (loglik, d, ok, DiffuseOutputs)``: the diffuse
+    steps through their C-ABI barrier ``fabi`` (:func:`_diffuse_filter_abi`)."""
+
+    @numba.njit
+    def run(y_, a0_, P0_, Pi_, c_, d_, T_, Z_, R_, H_, Q_):
+        n, p = y_.shape
+        m = a0_.shape[0]
+        out = diffuse_outputs(n, m, p)
+        sizes = np.array(input_sizes(y_, a0_, c_, d_, T_, Z_, R_, H_, Q_) + (0, 0))
+        ll = fabi(
+            data_ptr(y_), data_ptr(a0_), data_ptr(P0_), data_ptr(Pi_), data_ptr(c_), data_ptr(d_), data_ptr(T_),
+            data_ptr(Z_), data_ptr(R_), data_ptr(H_), data_ptr(Q_), data_ptr(out.loglik_obs),
+            data_ptr(out.filtered_state), data_ptr(out.filtered_cov), data_ptr(out.predicted_state),
+            data_ptr(out.predicted_cov), data_ptr(out.forecast_error), data_ptr(out.forecast_error_cov),
+            data_ptr(out.predicted_inf), data_ptr(sizes), mv, flag,
+        )
+        keep_alive((y_, a0_, P0_, Pi_, c_, d_, T_, Z_, R_, H_, Q_, sizes))
+        return ll, sizes[11], sizes[12] != 0, out
+
+    return run
+
+
 @entry_point
 def _diffuse_filter_entry(tv: tuple, mv: float, use_mv: bool):
-    """Forward entry of :class:`KalmanFilterDiffuse`: the diffuse steps (:func:`diffuse_filter`), then the
-    ordinary filter's entry point (:func:`_filter_entry`, unchanged, behind its C-ABI barrier) on steps
+    """Forward entry of :class:`KalmanFilterDiffuse`: the diffuse steps (:func:`diffuse_filter`, behind its
+    C-ABI barrier), then the ordinary filter's entry point (:func:`_filter_entry`, unchanged) on steps
     ``d..n-1`` from ``(a_d, P_d)``, its outputs copied into rows ``d:``."""
-    from iterops.ts._kalman_diffuse import diffuse_filter, diffuse_outputs
-
     filt = _filter_entry(tv, 0.0, mv, use_mv)
+    run = _diffuse_runner(_diffuse_filter_abi.external, mv, int(use_mv))
     f0, f1, f2, f3, f4, f5, f6 = tv
 
     @numba.njit
@@ -489,11 +577,8 @@ def _diffuse_filter_entry(tv: tuple, mv: float, use_mv: bool):
         y_, a0_, P0_, Pi_ = contiguous(y), contiguous(a0), contiguous(P0), contiguous(Pinf)
         c_, d_, T_, Z_ = contiguous(c), contiguous(d), contiguous(T), contiguous(Z)
         R_, H_, Q_ = contiguous(R), contiguous(H), contiguous(Q)
-        n, p = y_.shape
-        out = diffuse_outputs(n, m, p)
-        ll, dd, ok = diffuse_filter(
-            y_, a0_, P0_, Pi_, System(c_, d_, T_, Z_, R_, H_, Q_), Options(0.0, mv, use_mv), out
-        )
+        n = y_.shape[0]
+        ll, dd, ok, out = run(y_, a0_, P0_, Pi_, c_, d_, T_, Z_, R_, H_, Q_)
         if ok and dd < n:
             r = filt(
                 y_[dd:], out.predicted_state[dd], out.predicted_cov[dd], _tail(c_, dd, f0), _tail(d_, dd, f1),
@@ -529,10 +614,11 @@ def _diffuse_filter_entry(tv: tuple, mv: float, use_mv: bool):
 def _diffuse_adjoint_entry(tv: tuple, mv: float, use_mv: bool):
     """Adjoint entry of :class:`KalmanFilterDiffuse`: re-runs the diffuse steps (their tape), calls the
     ordinary adjoint's entry point (:func:`_adjoint_entry`) on steps ``d..n-1``, then reverses the diffuse
-    steps (:func:`diffuse_adjoint`) from the cotangents of ``(a_d, P_d)``."""
-    from iterops.ts._kalman_diffuse import diffuse_adjoint, diffuse_filter, diffuse_outputs
-
+    steps (:func:`diffuse_adjoint`, behind its C-ABI barrier) from the cotangents of ``(a_d, P_d)``."""
     adj = _adjoint_entry(tv, 0.0, mv, use_mv)
+    run = _diffuse_runner(_diffuse_filter_abi.external, mv, int(use_mv))
+    babi = _diffuse_adjoint_abi.external
+    flag = int(use_mv)
     f0, f1, f2, f3, f4, f5, f6 = tv
 
     @numba.njit
@@ -548,11 +634,8 @@ def _diffuse_adjoint_entry(tv: tuple, mv: float, use_mv: bool):
         ap_, Pp_ = contiguous(ap), contiguous(Pp)
         g1, g2, g3, g4 = contiguous(gllo), contiguous(gaf), contiguous(gPf), contiguous(gap)
         g5, g6, g7 = contiguous(gPp), contiguous(gv), contiguous(gF)
-        n, p = y_.shape
-        system = System(c_, d_, T_, Z_, R_, H_, Q_)
-        options = Options(0.0, mv, use_mv)
-        tape = diffuse_outputs(n, m, p)
-        _, dd, ok = diffuse_filter(y_, a0_, P0_, Pi_, system, options, tape)
+        n = y_.shape[0]
+        _, dd, ok, tape = run(y_, a0_, P0_, Pi_, c_, d_, T_, Z_, R_, H_, Q_)
         oy, oa0, oP0, oPi = np.zeros_like(y_), np.zeros_like(a0_), np.zeros_like(P0_), np.zeros_like(Pi_)
         oc, od, oT, oZ = np.zeros_like(c_), np.zeros_like(d_), np.zeros_like(T_), np.zeros_like(Z_)
         oR, oH, oQ = np.zeros_like(R_), np.zeros_like(H_), np.zeros_like(Q_)
@@ -563,6 +646,7 @@ def _diffuse_adjoint_entry(tv: tuple, mv: float, use_mv: bool):
                 o3[:] = np.nan
             oa0[:] = np.nan
             return oy, oa0, oP0, oPi, oc, od, oT, oZ, oR, oH, oQ
+        a_bar, P_bar = np.zeros(m), np.zeros((m, m))
         if dd < n:
             r = adj(
                 y_[dd:], ap_[dd], Pp_[dd], _tail(c_, dd, f0), _tail(d_, dd, f1), _tail(T_, dd, f2),
@@ -571,7 +655,8 @@ def _diffuse_adjoint_entry(tv: tuple, mv: float, use_mv: bool):
                 _tail_or_empty(g4, dd), _tail_or_empty(g5, dd), _tail_or_empty(g6, dd), _tail_or_empty(g7, dd),
             )
             oy[dd:] = r[0]
-            a_bar, P_bar = r[1].copy(), r[2].copy()
+            a_bar[:] = r[1]
+            P_bar[:, :] = r[2]
             _tail(oc, dd, f0)[:] = r[3]
             _tail(od, dd, f1)[:] = r[4]
             _tail(oT, dd, f2)[:] = r[5]
@@ -580,14 +665,26 @@ def _diffuse_adjoint_entry(tv: tuple, mv: float, use_mv: bool):
             _tail(oH, dd, f5)[:] = r[8]
             _tail(oQ, dd, f6)[:] = r[9]
         else:
-            a_bar, P_bar = np.zeros(m), np.zeros((m, m))
             if g4.shape[0] > 0:
                 a_bar[:] = g4[n]
             if g5.shape[0] > 0:
                 P_bar[:, :] = g5[n]
-        cot = Cotangents(gll[()], g1, g2, g3, g4, g5, g6, g7)
-        grad = InputCotangents(oy, oa0, oP0, System(oc, od, oT, oZ, oR, oH, oQ))
-        oPi[:, :] = diffuse_adjoint(y_, system, options, tape, dd, cot, a_bar, P_bar, grad)
+        sizes = np.array(
+            input_sizes(y_, a0_, c_, d_, T_, Z_, R_, H_, Q_)
+            + (g1.shape[0], g2.shape[0], g3.shape[0], g4.shape[0], g5.shape[0], g6.shape[0], g7.shape[0], dd)
+        )
+        babi(
+            data_ptr(y_), data_ptr(c_), data_ptr(d_), data_ptr(T_), data_ptr(Z_), data_ptr(R_), data_ptr(H_),
+            data_ptr(Q_), data_ptr(tape.loglik_obs), data_ptr(tape.filtered_state), data_ptr(tape.filtered_cov),
+            data_ptr(tape.predicted_state), data_ptr(tape.predicted_cov), data_ptr(tape.forecast_error),
+            data_ptr(tape.forecast_error_cov), data_ptr(tape.predicted_inf), data_ptr(g1), data_ptr(g2),
+            data_ptr(g3), data_ptr(g4), data_ptr(g5), data_ptr(g6), data_ptr(g7), data_ptr(a_bar), data_ptr(P_bar),
+            data_ptr(oy), data_ptr(oa0), data_ptr(oP0), data_ptr(oc), data_ptr(od), data_ptr(oT), data_ptr(oZ),
+            data_ptr(oR), data_ptr(oH), data_ptr(oQ), data_ptr(oPi), data_ptr(sizes), mv, flag, gll[()],
+        )
+        keep_alive((y_, c_, d_, T_, Z_, R_, H_, Q_, sizes, a_bar, P_bar))
+        keep_alive((g1, g2, g3, g4, g5, g6, g7))
+        keep_alive(tape)
         return oy, oa0, oP0, oPi, oc, od, oT, oZ, oR, oH, oQ
 
     return kalman_filter_diffuse_grad_fn
