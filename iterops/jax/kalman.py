@@ -469,3 +469,7 @@ def register(jax_funcify):
             return kalman_smoother(*inputs, options=opts)
 
         return kalman_smoother_fn
+
+    from iterops.jax import kalman_diffuse  # kalman_filter(..., diffuse=...): its own module
+
+    kalman_diffuse.register(jax_funcify)

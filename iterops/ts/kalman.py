@@ -92,6 +92,15 @@ O(m p + m^2) mean path runs per step, with or without jitter
 (:func:`iterops.ts._kalman_adjoint._steady_adjoint_run`).  The gradient Op itself
 is not differentiable (second derivatives raise).
 
+Exact diffuse initialization (``kalman_filter(..., diffuse=mask_or_P_inf)``): Durbin & Koopman's exact
+initial Kalman filter with ``P_1 = P0 + kappa P_inf``, ``kappa -> infinity``, as statsmodels'
+``initialization='diffuse'`` computes it (equations, log-likelihood convention and outputs of the diffuse
+steps in :mod:`iterops.ts._kalman_diffuse`).  One Op, :class:`KalmanFilterDiffuse` (an extra input
+``P_inf``): its entry point runs the diffuse steps ``t < d``, then the ordinary filter's entry point,
+unchanged, on steps ``d..n-1`` from ``(a_d, P_d)``; its adjoint (:class:`KalmanFilterDiffuseGrad`) runs the
+ordinary adjoint on the tail and reverses the diffuse steps by hand.  A model without ``diffuse`` compiles
+only the ordinary kernels.
+
 The kernels sit behind a C-ABI barrier (:class:`iterops._fused.OpaqueKernel`):
 they compile once per machine (about a minute, cached on disk) and a new graph
 that uses them compiles in about a second.
@@ -120,6 +129,8 @@ Where the code is, in reading order
 this module
     the C-ABI entry points, the Ops :class:`KalmanFilter` and :class:`KalmanFilterGrad`,
     validation, :func:`kalman_filter` and :func:`stationary_cov`.
+``iterops/ts/_kalman_diffuse.py``
+    the exact diffuse steps and their reverse (``diffuse=``).
 ``iterops/ts/kalman_smoother.py``
     :func:`iterops.ts.kalman_smoother`: kernel, entry point, Op, public function.
 """
@@ -140,6 +151,7 @@ from pytensor.tensor.variable import TensorVariable
 from iterops._fused import F64P, FusedOp, data_ptr, entry_point, keep_alive, opaque_kernel, register_fused_op
 from iterops._validate import as_tensor, float_dtype
 from iterops.ts._kalman_adjoint import Cotangents, InputCotangents, kalman_adjoint_kernel
+from iterops.ts._kalman_diffuse import DiffuseOutputs, diffuse_adjoint, diffuse_filter, diffuse_outputs
 from iterops.ts._kalman_filter import FilterOutputs, filter_into, filter_outputs, kalman_filter_kernel
 from iterops.ts._kalman_steps import Options, System
 
@@ -149,6 +161,8 @@ __all__ = [
     "KalmanFilterResult",
     "KalmanFilter",
     "KalmanFilterGrad",
+    "KalmanFilterDiffuse",
+    "KalmanFilterDiffuseGrad",
     "kalman_filter_kernel",
     "kalman_adjoint_kernel",
 ]
@@ -442,6 +456,295 @@ class KalmanFilterGrad(KalmanOpBase):
 
 
 # ---------------------------------------------------------------------------
+# Exact diffuse initialization (kalman_filter(..., diffuse=...)); kernels in iterops.ts._kalman_diffuse
+# ---------------------------------------------------------------------------
+
+
+@numba.njit(cache=True)
+def _tail(X, start, flag):
+    """Rows ``start:`` of a time-varying system matrix (``flag``), the static one whole."""
+    return X[start:] if flag else X[0:]
+
+
+@numba.njit(cache=True)
+def _tail_or_empty(g, start):
+    """Rows ``start:`` of a per-step cotangent; a disconnected (zero-row) one stays zero-row."""
+    return g[start:] if g.shape[0] > 0 else g[0:]
+
+
+@numba.njit(cache=True)
+def _system_from_pointers(c, d, T, Z, R, H, Q, s):
+    """:class:`System` over C-ABI pointers, ``s`` = :func:`input_sizes`."""
+    p, m, r = s[1], s[2], s[3]
+    return System(
+        numba.carray(c, (s[4], m)), numba.carray(d, (s[5], p)), numba.carray(T, (s[6], m, m)),
+        numba.carray(Z, (s[7], p, m)), numba.carray(R, (s[8], m, r)), numba.carray(H, (s[9], p, p)),
+        numba.carray(Q, (s[10], r, r)),
+    )
+
+
+@numba.njit(cache=True)
+def _diffuse_from_pointers(llo, af, Pf, ap, Pp, v, F, Pi, n, m, p):
+    """:class:`iterops.ts._kalman_diffuse.DiffuseOutputs` over C-ABI pointers."""
+    return DiffuseOutputs(
+        numba.carray(llo, (n,)), numba.carray(af, (n, m)), numba.carray(Pf, (n, m, m)), numba.carray(ap, (n + 1, m)),
+        numba.carray(Pp, (n + 1, m, m)), numba.carray(v, (n, p)), numba.carray(F, (n, p, p)),
+        numba.carray(Pi, (n + 1, m, m)),
+    )
+
+
+@opaque_kernel(F64(*([F64P] * 19), I64P, F64, I64))
+def _diffuse_filter_abi(y, a0, P0, Pinf, c, d, T, Z, R, H, Q, llo, af, Pf, ap, Pp, v, F, Pi, sizes, mv, use_mv):
+    """C-ABI barrier around :func:`iterops.ts._kalman_diffuse.diffuse_filter` (a new graph does not
+    re-optimize the diffuse kernel).  ``sizes``: :func:`input_sizes`, then two slots the kernel writes: the
+    first non-diffuse step ``d`` and ``ok``.  Returns the log-likelihood of the diffuse steps."""
+    s = numba.carray(sizes, (13,))
+    n, p, m = s[0], s[1], s[2]
+    out = _diffuse_from_pointers(llo, af, Pf, ap, Pp, v, F, Pi, n, m, p)
+    ll, dd, ok = diffuse_filter(
+        numba.carray(y, (n, p)), numba.carray(a0, (m,)), numba.carray(P0, (m, m)), numba.carray(Pinf, (m, m)),
+        _system_from_pointers(c, d, T, Z, R, H, Q, s), Options(0.0, mv, use_mv != 0), out,
+    )
+    s[11] = dd
+    s[12] = 1 if ok else 0
+    return ll
+
+
+@opaque_kernel(F64(*([F64P] * 36), I64P, F64, I64, F64))
+def _diffuse_adjoint_abi(y, c, d, T, Z, R, H, Q, llo, af, Pf, ap, Pp, v, F, Pi, gllo, gaf, gPf, gap, gPp, gv, gF,
+                         a_bar, P_bar, oy, oa0, oP0, oc, od, oT, oZ, oR, oH, oQ, oPi, sizes, mv, use_mv, gll):
+    """C-ABI barrier around :func:`iterops.ts._kalman_diffuse.diffuse_adjoint`: inputs, the forward tape
+    (:class:`~iterops.ts._kalman_diffuse.DiffuseOutputs`), the output cotangents, the cotangents of
+    ``(a_d, P_d)``, the input cotangents to accumulate into (``oPi``: written).  ``sizes``:
+    :func:`input_sizes`, the rows of the 7 per-step cotangents (0: disconnected), ``d``.  Returns 0."""
+    s = numba.carray(sizes, (19,))
+    n, p, m = s[0], s[1], s[2]
+    system = _system_from_pointers(c, d, T, Z, R, H, Q, s)
+    tape = _diffuse_from_pointers(llo, af, Pf, ap, Pp, v, F, Pi, n, m, p)
+    cot = Cotangents(
+        gll, numba.carray(gllo, (s[11],)), numba.carray(gaf, (s[12], m)), numba.carray(gPf, (s[13], m, m)),
+        numba.carray(gap, (s[14], m)), numba.carray(gPp, (s[15], m, m)), numba.carray(gv, (s[16], p)),
+        numba.carray(gF, (s[17], p, p)),
+    )
+    grad = InputCotangents(
+        numba.carray(oy, (n, p)), numba.carray(oa0, (m,)), numba.carray(oP0, (m, m)),
+        _system_from_pointers(oc, od, oT, oZ, oR, oH, oQ, s),
+    )
+    numba.carray(oPi, (m, m))[:, :] = diffuse_adjoint(
+        numba.carray(y, (n, p)), system, Options(0.0, mv, use_mv != 0), tape, s[18], cot,
+        numba.carray(a_bar, (m,)), numba.carray(P_bar, (m, m)), grad,
+    )
+    return 0.0
+
+
+def _diffuse_runner(fabi, mv, flag):
+    """A jitted ``run(y, a0, P0, P_inf, c, d, T, Z, R, H, Q) -> (loglik, d, ok, DiffuseOutputs)``: the diffuse
+    steps through their C-ABI barrier ``fabi`` (:func:`_diffuse_filter_abi`)."""
+
+    @numba.njit
+    def run(y_, a0_, P0_, Pi_, c_, d_, T_, Z_, R_, H_, Q_):
+        n, p = y_.shape
+        m = a0_.shape[0]
+        out = diffuse_outputs(n, m, p)
+        sizes = np.array(input_sizes(y_, a0_, c_, d_, T_, Z_, R_, H_, Q_) + (0, 0))
+        ll = fabi(
+            data_ptr(y_), data_ptr(a0_), data_ptr(P0_), data_ptr(Pi_), data_ptr(c_), data_ptr(d_), data_ptr(T_),
+            data_ptr(Z_), data_ptr(R_), data_ptr(H_), data_ptr(Q_), data_ptr(out.loglik_obs),
+            data_ptr(out.filtered_state), data_ptr(out.filtered_cov), data_ptr(out.predicted_state),
+            data_ptr(out.predicted_cov), data_ptr(out.forecast_error), data_ptr(out.forecast_error_cov),
+            data_ptr(out.predicted_inf), data_ptr(sizes), mv, flag,
+        )
+        keep_alive((y_, a0_, P0_, Pi_, c_, d_, T_, Z_, R_, H_, Q_, sizes))
+        return ll, sizes[11], sizes[12] != 0, out
+
+    return run
+
+
+@entry_point
+def _diffuse_filter_entry(tv: tuple, mv: float, use_mv: bool):
+    """Forward entry of :class:`KalmanFilterDiffuse`: the diffuse steps (:func:`diffuse_filter`, behind its
+    C-ABI barrier), then the ordinary filter's entry point (:func:`_filter_entry`, unchanged) on steps
+    ``d..n-1`` from ``(a_d, P_d)``, its outputs copied into rows ``d:``."""
+    filt = _filter_entry(tv, 0.0, mv, use_mv)
+    run = _diffuse_runner(_diffuse_filter_abi.external, mv, int(use_mv))
+    f0, f1, f2, f3, f4, f5, f6 = tv
+
+    @numba.njit
+    def kalman_filter_diffuse_fn(y, a0, P0, Pinf, c, d, T, Z, R, H, Q):
+        m = a0.shape[0]
+        if check_shapes(y, a0, P0, c, d, T, Z, R, H, Q, tv) or Pinf.shape[0] != m or Pinf.shape[1] != m:
+            raise ValueError("kalman_filter(diffuse=...): inconsistent input shapes at run time")
+        y_, a0_, P0_, Pi_ = contiguous(y), contiguous(a0), contiguous(P0), contiguous(Pinf)
+        c_, d_, T_, Z_ = contiguous(c), contiguous(d), contiguous(T), contiguous(Z)
+        R_, H_, Q_ = contiguous(R), contiguous(H), contiguous(Q)
+        n = y_.shape[0]
+        ll, dd, ok, out = run(y_, a0_, P0_, Pi_, c_, d_, T_, Z_, R_, H_, Q_)
+        if ok and dd < n:
+            r = filt(
+                y_[dd:], out.predicted_state[dd], out.predicted_cov[dd], _tail(c_, dd, f0), _tail(d_, dd, f1),
+                _tail(T_, dd, f2), _tail(Z_, dd, f3), _tail(R_, dd, f4), _tail(H_, dd, f5), _tail(Q_, dd, f6),
+            )
+            ll += r[0][()]
+            out.loglik_obs[dd:] = r[1]
+            out.filtered_state[dd:] = r[2]
+            out.filtered_cov[dd:] = r[3]
+            out.predicted_state[dd:] = r[4]
+            out.predicted_cov[dd:] = r[5]
+            out.forecast_error[dd:] = r[6]
+            out.forecast_error_cov[dd:] = r[7]
+        elif not ok:
+            out.loglik_obs[dd + 1:] = np.nan
+            out.filtered_state[dd:] = np.nan
+            out.filtered_cov[dd:] = np.nan
+            out.predicted_state[dd + 1:] = np.nan
+            out.predicted_cov[dd + 1:] = np.nan
+            out.forecast_error[dd + 1:] = np.nan
+            out.forecast_error_cov[dd + 1:] = np.nan
+        total = np.empty((), dtype=np.float64)
+        total[()] = ll
+        return (
+            total, out.loglik_obs, out.filtered_state, out.filtered_cov, out.predicted_state, out.predicted_cov,
+            out.forecast_error, out.forecast_error_cov,
+        )
+
+    return kalman_filter_diffuse_fn
+
+
+@entry_point
+def _diffuse_adjoint_entry(tv: tuple, mv: float, use_mv: bool):
+    """Adjoint entry of :class:`KalmanFilterDiffuse`: re-runs the diffuse steps (their tape), calls the
+    ordinary adjoint's entry point (:func:`_adjoint_entry`) on steps ``d..n-1``, then reverses the diffuse
+    steps (:func:`diffuse_adjoint`, behind its C-ABI barrier) from the cotangents of ``(a_d, P_d)``."""
+    adj = _adjoint_entry(tv, 0.0, mv, use_mv)
+    run = _diffuse_runner(_diffuse_filter_abi.external, mv, int(use_mv))
+    babi = _diffuse_adjoint_abi.external
+    flag = int(use_mv)
+    f0, f1, f2, f3, f4, f5, f6 = tv
+
+    @numba.njit
+    def kalman_filter_diffuse_grad_fn(
+        y, a0, P0, Pinf, c, d, T, Z, R, H, Q, ap, Pp, gll, gllo, gaf, gPf, gap, gPp, gv, gF
+    ):
+        m = a0.shape[0]
+        if check_shapes(y, a0, P0, c, d, T, Z, R, H, Q, tv) or Pinf.shape[0] != m or Pinf.shape[1] != m:
+            raise ValueError("kalman_filter(diffuse=...) gradient: inconsistent input shapes at run time")
+        y_, a0_, P0_, Pi_ = contiguous(y), contiguous(a0), contiguous(P0), contiguous(Pinf)
+        c_, d_, T_, Z_ = contiguous(c), contiguous(d), contiguous(T), contiguous(Z)
+        R_, H_, Q_ = contiguous(R), contiguous(H), contiguous(Q)
+        ap_, Pp_ = contiguous(ap), contiguous(Pp)
+        g1, g2, g3, g4 = contiguous(gllo), contiguous(gaf), contiguous(gPf), contiguous(gap)
+        g5, g6, g7 = contiguous(gPp), contiguous(gv), contiguous(gF)
+        n = y_.shape[0]
+        _, dd, ok, tape = run(y_, a0_, P0_, Pi_, c_, d_, T_, Z_, R_, H_, Q_)
+        oy, oa0, oP0, oPi = np.zeros_like(y_), np.zeros_like(a0_), np.zeros_like(P0_), np.zeros_like(Pi_)
+        oc, od, oT, oZ = np.zeros_like(c_), np.zeros_like(d_), np.zeros_like(T_), np.zeros_like(Z_)
+        oR, oH, oQ = np.zeros_like(R_), np.zeros_like(H_), np.zeros_like(Q_)
+        if not ok:
+            for o in (oy, oP0, oPi, oc, od):
+                o[:] = np.nan
+            for o3 in (oT, oZ, oR, oH, oQ):
+                o3[:] = np.nan
+            oa0[:] = np.nan
+            return oy, oa0, oP0, oPi, oc, od, oT, oZ, oR, oH, oQ
+        a_bar, P_bar = np.zeros(m), np.zeros((m, m))
+        if dd < n:
+            r = adj(
+                y_[dd:], ap_[dd], Pp_[dd], _tail(c_, dd, f0), _tail(d_, dd, f1), _tail(T_, dd, f2),
+                _tail(Z_, dd, f3), _tail(R_, dd, f4), _tail(H_, dd, f5), _tail(Q_, dd, f6), ap_[dd:], Pp_[dd:],
+                gll, _tail_or_empty(g1, dd), _tail_or_empty(g2, dd), _tail_or_empty(g3, dd),
+                _tail_or_empty(g4, dd), _tail_or_empty(g5, dd), _tail_or_empty(g6, dd), _tail_or_empty(g7, dd),
+            )
+            oy[dd:] = r[0]
+            a_bar[:] = r[1]
+            P_bar[:, :] = r[2]
+            _tail(oc, dd, f0)[:] = r[3]
+            _tail(od, dd, f1)[:] = r[4]
+            _tail(oT, dd, f2)[:] = r[5]
+            _tail(oZ, dd, f3)[:] = r[6]
+            _tail(oR, dd, f4)[:] = r[7]
+            _tail(oH, dd, f5)[:] = r[8]
+            _tail(oQ, dd, f6)[:] = r[9]
+        else:
+            if g4.shape[0] > 0:
+                a_bar[:] = g4[n]
+            if g5.shape[0] > 0:
+                P_bar[:, :] = g5[n]
+        sizes = np.array(
+            input_sizes(y_, a0_, c_, d_, T_, Z_, R_, H_, Q_)
+            + (g1.shape[0], g2.shape[0], g3.shape[0], g4.shape[0], g5.shape[0], g6.shape[0], g7.shape[0], dd)
+        )
+        babi(
+            data_ptr(y_), data_ptr(c_), data_ptr(d_), data_ptr(T_), data_ptr(Z_), data_ptr(R_), data_ptr(H_),
+            data_ptr(Q_), data_ptr(tape.loglik_obs), data_ptr(tape.filtered_state), data_ptr(tape.filtered_cov),
+            data_ptr(tape.predicted_state), data_ptr(tape.predicted_cov), data_ptr(tape.forecast_error),
+            data_ptr(tape.forecast_error_cov), data_ptr(tape.predicted_inf), data_ptr(g1), data_ptr(g2),
+            data_ptr(g3), data_ptr(g4), data_ptr(g5), data_ptr(g6), data_ptr(g7), data_ptr(a_bar), data_ptr(P_bar),
+            data_ptr(oy), data_ptr(oa0), data_ptr(oP0), data_ptr(oc), data_ptr(od), data_ptr(oT), data_ptr(oZ),
+            data_ptr(oR), data_ptr(oH), data_ptr(oQ), data_ptr(oPi), data_ptr(sizes), mv, flag, gll[()],
+        )
+        keep_alive((y_, c_, d_, T_, Z_, R_, H_, Q_, sizes, a_bar, P_bar))
+        keep_alive((g1, g2, g3, g4, g5, g6, g7))
+        keep_alive(tape)
+        return oy, oa0, oP0, oPi, oc, od, oT, oZ, oR, oH, oQ
+
+    return kalman_filter_diffuse_grad_fn
+
+
+#: core signature of the diffuse Op's inputs: ``P_inf`` (m, m) after ``P0``
+DIFFUSE_IN_SIG = (*IN_SIG[:3], "(m,m)", *IN_SIG[3:])
+
+
+@register_fused_op
+class KalmanFilterDiffuse(KalmanFilter):
+    """Core Op of ``kalman_filter(..., diffuse=...)``: inputs ``y, a0, P0 (= P_star), P_inf, c, d, T, Z, R,
+    H, Q``, the outputs of :class:`KalmanFilter`.  ``cov_jitter`` must be 0.
+
+    One Op rather than a diffuse Op composed with :class:`KalmanFilter` in the graph: the number of
+    diffuse steps ``d`` is data-dependent, and handing ``(a_d, P_d)`` to a second Op at step ``d`` would
+    need data-dependent slicing of its inputs and outputs, which JAX (static shapes) and ``Blockwise``
+    batching make awkward.  Inside the entry point it is a slice: the ordinary filter's entry point runs
+    on steps ``d..n-1`` unchanged (its kernels are the ones a model without ``diffuse`` compiles)."""
+
+    gufunc_signature = ",".join(DIFFUSE_IN_SIG) + "->" + ",".join(_OUT_SIG)
+
+    def numba_fn(self, node):
+        tv, _, mv, use_mv = self._entry_args()
+        return _diffuse_filter_entry(tv, mv, use_mv)
+
+    def pullback(self, inputs, outputs, cotangents):
+        connected = [not isinstance(g.type, DisconnectedType) for g in cotangents]
+        if not any(connected):
+            return [pt.zeros_like(x) for x in inputs]
+        cts = [g if h else pt.zeros((0,) * out.type.ndim) for g, h, out in zip(cotangents, connected, outputs)]
+        grad_op = KalmanFilterDiffuseGrad(self.time_varying, self.cov_jitter, self.missing_value)
+        return list(grad_op(*inputs, outputs[4], outputs[5], *cts))
+
+
+@register_fused_op
+class KalmanFilterDiffuseGrad(KalmanFilterGrad):
+    """Adjoint Op of :class:`KalmanFilterDiffuse`: (its 11 inputs, predicted_state, predicted_cov,
+    cotangents of the 8 outputs) -> cotangents of the 11 inputs (``P_inf`` included: the diffuse
+    log-likelihood depends on its scale through ``log F_inf``).  Not differentiable itself."""
+
+    gufunc_signature = (
+        ",".join([*DIFFUSE_IN_SIG, "(n1,m)", "(n1,m,m)", *(_own_dims(s, f"g{i}") for i, s in enumerate(_OUT_SIG))])
+        + "->" + ",".join(DIFFUSE_IN_SIG)
+    )
+
+    def make_node(self, *inputs):
+        inputs = [pt.as_tensor_variable(x) for x in inputs]
+        outs = [pt.tensor(dtype="float64", shape=x.type.shape) for x in inputs[:11]]
+        return Apply(self, inputs, outs)
+
+    def infer_shape(self, node, input_shapes):
+        return list(input_shapes[:11])
+
+    def numba_fn(self, node):
+        tv, _, mv, use_mv = self._entry_args()
+        return _diffuse_adjoint_entry(tv, mv, use_mv)
+
+
+# ---------------------------------------------------------------------------
 # Public functions
 # ---------------------------------------------------------------------------
 
@@ -565,6 +868,7 @@ def kalman_filter(
     time_varying=(),
     cov_jitter: float = 0.0,
     missing_value: float | None = None,
+    diffuse=None,
 ) -> KalmanFilterResult:
     r"""Kalman filter log-likelihood, filtered and predicted moments; one fused Numba loop.
 
@@ -591,6 +895,23 @@ def kalman_filter(
         (pymc-extras' ``cov_jitter``).  0 reproduces statsmodels.
     missing_value : float, optional
         Extra sentinel marking missing observations (pymc-extras' ``missing_fill_value``, -9999.0).
+    diffuse : None, sequence of m bools, or (..., m, m) tensor ``P_inf``
+        Exact diffuse initialization (Durbin & Koopman 2012, sec. 5.2-5.3; statsmodels'
+        ``initialization='diffuse'``): ``alpha_1 ~ N(a0, P0 + kappa P_inf)``, ``kappa -> infinity``,
+        with ``P0`` playing ``P_star``.  A boolean mask marks the diffuse states (``P_inf =
+        diag(mask)``; give ``P0`` zero rows and columns there, as statsmodels' mixed
+        ``Initialization`` does); a matrix is ``P_inf`` itself (symmetric PSD; differentiable: the
+        likelihood depends on its scale through ``log F_inf``).  While ``P_inf,t != 0`` the filter
+        runs the exact initial steps, one observed component at a time (statsmodels' univariate
+        treatment; ``H`` must be diagonal in those steps), each diffuse component adding
+        ``-(log 2 pi + log F_inf)/2`` to the log-likelihood; from the first step ``d`` with
+        ``P_inf,d = 0`` the ordinary recursion above runs from ``(a_d, P_d)``.  Every output equals
+        statsmodels' exact diffuse filter (``loglikelihood_burn = 0``; in diffuse steps
+        ``forecast_error`` is the sequential one and ``forecast_error_cov`` diagonal).  Failure:
+        ``loglik = -inf`` (NaN outputs from the failing step) if a component has ``F_inf`` and
+        ``F_star`` both ``<= 1e-10`` (or non-finite), ``H`` is not diagonal in a diffuse step, or
+        ``P_inf`` is still nonzero after the last step.  Not combinable with ``cov_jitter > 0``
+        (``ValueError``).  Kernels: :mod:`iterops.ts._kalman_diffuse`.
 
     Leading (batch) dimensions of all arguments broadcast.
 
@@ -611,9 +932,49 @@ def kalman_filter(
     >>> round(float(res.loglik.eval()), 6)  # statsmodels' KalmanFilter llf: -2.892596
     -2.892596
     """
+    if diffuse is not None:
+        return _kalman_filter_diffuse((y, a0, P0, c, d, T, Z, R, H, Q), time_varying, cov_jitter, missing_value,
+                                      diffuse)
     outs = apply_kalman_op(
         "kalman_filter", KalmanFilter, (y, a0, P0, c, d, T, Z, R, H, Q), time_varying, cov_jitter, missing_value
     )
+    return KalmanFilterResult(*outs)
+
+
+def _kalman_filter_diffuse(args, time_varying, cov_jitter, missing_value, diffuse):
+    """``kalman_filter(..., diffuse=...)``: validate ``diffuse`` (graph-build time), apply :class:`KalmanFilterDiffuse`."""
+    func = "kalman_filter"
+    if cov_jitter != 0.0:
+        raise ValueError(
+            f"{func}: diffuse=... is not supported together with cov_jitter > 0 (got cov_jitter={cov_jitter}); "
+            "the exact diffuse filter is statsmodels' arithmetic, without jitter"
+        )
+    inputs, tv, out_dtype = _prepare_inputs(func, *args, time_varying)
+    a0 = inputs[1]
+    m = a0.type.shape[-1]
+    if isinstance(diffuse, (list, tuple, np.ndarray)) and np.asarray(diffuse).dtype == bool:
+        mask = np.asarray(diffuse)
+        if mask.ndim != 1 or (m is not None and mask.shape[0] != m):
+            raise ValueError(
+                f"{func}: a diffuse mask must be a sequence of m = {m} bools (one per state, m = len(a0)); "
+                f"got shape {mask.shape} (a0 {a0.type.shape})"
+            )
+        P_inf = pt.as_tensor_variable(np.diag(mask.astype("float64")))
+    else:
+        P_inf = as_tensor(func, "diffuse", diffuse, min_ndim=2)
+        cs = P_inf.type.shape[-2:]
+        if any(x is not None and m is not None and x != m for x in cs) or (
+            cs[0] is not None and cs[1] is not None and cs[0] != cs[1]
+        ):
+            raise ValueError(
+                f"{func}: diffuse given as a matrix must be P_inf of shape (..., m, m) with m = len(a0) = {m}; "
+                f"got diffuse {P_inf.type.shape}, a0 {a0.type.shape}"
+            )
+        if P_inf.type.dtype != "float64":
+            P_inf = pt.cast(P_inf, "float64")
+    outs = Blockwise(KalmanFilterDiffuse(tv, 0.0, missing_value))(*inputs[:3], P_inf, *inputs[3:])
+    if out_dtype != "float64":
+        outs = [pt.cast(o, out_dtype) for o in outs]
     return KalmanFilterResult(*outs)
 
 
