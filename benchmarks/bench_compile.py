@@ -1,6 +1,7 @@
 """Compile time a new user meets: each kernel family cold (fresh Numba cache) and warm (new graph).
 
-    scripts/dev bench --cold        # runs this module and writes its section into RESULTS.md
+    scripts/dev bench --cold           # runs this module and writes its section into RESULTS.md
+    scripts/dev bench --cold --quick   # the same without the demo models' Scan versions (minutes each)
 
 Every measurement runs in its own subprocess with a fresh PyTensor ``compiledir`` (so the graph is
 new to PyTensor too) and either a fresh, empty ``NUMBA_CACHE_DIR`` (**cold**: the first use of
@@ -11,17 +12,25 @@ compile itself (graph building, ``pytensor.function`` and the first call), and t
 The demo's models are measured the same way, iterops against the Scan version (``iterops.demo``;
 Scan: iterops' rewrites off), their log-density and gradient compiled as ``pm.sample`` does.
 
-Where the cold time goes (measured 2026-12-01 with Numba's event API, ``numba:run_pass`` exclusive
-times, on the Kalman kernels): almost all of it is Numba's native lowering and LLVM of the kernel
-bodies themselves: the C-ABI filter kernel 20 CPU s (``filter_into`` the largest, then
-``update_cov``, ``matmul``, ``_steady_run``), the adjoint 43 CPU s (``kalman_adjoint_kernel``, with
-its four step VJPs inlined, about a third; the steady-state reverse functions most of the rest);
-``_linalg_kernels.matmul`` alone is compiled in 9 layout specializations.  Type inference is minor.
-Lowering LLVM's optimisation level does not fix it: ``NUMBA_OPT=1`` compiles filter + adjoint in
-47 CPU s instead of about 63 (-25%) and runs the exact (non-steady) path 8% slower; ``NUMBA_OPT=2``
-51 CPU s.  What is left is the size of the kernels (the code Numba generates for them), so the
-one-off compile is shown to the user (one line on stderr) and can be paid ahead of time with
-``python -m iterops.warmup``.
+Where the cold time goes (measured 2026-12-01 per code library: Numba's ``CPUCodeLibrary`` module
+optimisation and machine-code emission timed per library, the rest of the compile being Numba's own
+Python: type inference, lowering, inlining).  Numba compiles each jitted callee as a library of its
+own and links it, *with everything it calls*, into every caller, where it is optimised and compiled
+to machine code again: a chain ``C-ABI function -> kernel -> stage -> helper`` re-did the kernel's
+whole code once per level.  The kernels are therefore ``inline="always"`` into their C-ABI function
+and the steady stretch's single-use stages into :func:`iterops.ts._kalman_adjoint._steady_adjoint_run`;
+slice assignments from arrays (which compile Numba's shape-mismatch message, string formatting
+included, into the kernel) are loops (``copy_into``).  Filter + adjoint went from 67.7 CPU s (LLVM
+40.5, Numba's Python 21.4, function passes 5.8) to 47.2 (LLVM 18.0, Python 23.7, function passes
+5.5); the Lyapunov kernel from 19.3 to 8.2 CPU s (LLVM 3.5, Python 3.9).  What is left is mostly
+Numba's Python (typing and lowering the kernels: about 35 code libraries for the filter, 55 with
+the adjoint, ``matmul`` in 9 layout specialisations) and one LLVM pass over each kernel.  Inlining
+further costs more than it saves: with every stage inlined the filter's LLVM time fell to 4.7 s but
+Numba's inliner and lowering rose to 13.6 s, and inlining ``_steady_adjoint_run`` into the adjoint
+took it from 34 to 61 CPU s.  ``NUMBA_OPT=1`` cut filter + adjoint by a quarter but ran the exact
+(non-steady) path 8% slower; no loop vectorisation (``NUMBA_LOOP_VECTORIZE=0``) saved 5% on the
+Lyapunov kernel.  The one-off compile is shown to the user (one line on stderr) and can be paid
+ahead of time with ``python -m iterops.warmup``.
 """
 
 from __future__ import annotations
@@ -139,10 +148,11 @@ def run(quick: bool = False) -> list[Section]:
     )
     cases = {name: code for name, (_, code) in CASES.items()}
     targets = {name: t for name, (t, _) in CASES.items()}
-    if not quick:
-        for name, (m, impl) in MODEL_CASES.items():
-            cases[name] = _MODEL.format(model=m, impl=impl)
-            targets[name] = None
+    for name, (m, impl) in MODEL_CASES.items():
+        if quick and impl != "iterops":  # --quick: the Scan versions' cold compiles (minutes each) are left out
+            continue
+        cases[name] = _MODEL.format(model=m, impl=impl)
+        targets[name] = None
     imports = []
     for name, code in cases.items():
         with tempfile.TemporaryDirectory(prefix="iterops-numba-") as numba_dir:

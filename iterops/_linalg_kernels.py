@@ -10,7 +10,14 @@ helper writes into a preallocated ``out`` so that a kernel's loop allocates noth
 * :func:`sym_inplace`, :func:`sym_into` -- the symmetric part ``(X + X^T) / 2``;
 * :func:`cholesky`, :func:`cho_solve_vec`, :func:`cho_inverse` -- a lower Cholesky factor that
   reports failure as a value, and solves with it;
+* :func:`copy_into` -- ``out[...] = src`` by loops;
 * :func:`borrowed` -- work arrays that cost nothing to pass to a function.
+
+Compile time: a kernel calls these helpers, and Numba links and re-optimizes each callee's code
+into every caller that is compiled on its own, so the helpers here are small leaves.  Kernels
+copy arrays with :func:`copy_into` rather than a slice assignment (``out[:] = src``), which
+compiles Numba's shape-mismatch error message (string formatting, about ten functions) into
+every kernel that uses it.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from iterops._fused import data_ptr
 
 __all__ = [
     "SMALL", "matmul", "mm", "congruence", "sym_inplace", "sym_into", "cholesky", "cho_solve_vec", "cho_inverse",
-    "borrowed",
+    "copy_into", "borrowed",
 ]
 
 SMALL = 10  #: above this size (any dimension), matrix products go to BLAS
@@ -125,6 +132,13 @@ def cho_inverse(L, k, Finv):
         for i in range(k):
             Finv[i, jj] = 1.0 if i == jj else 0.0
         cho_solve_vec(L, k, Finv[:, jj], Finv[:, jj])
+
+
+@numba.njit(cache=True, inline="always")
+def copy_into(src, out):
+    """out[...] = src for two arrays of the same shape (no shape check: the caller's shapes agree)."""
+    for idx in np.ndindex(src.shape):
+        out[idx] = src[idx]
 
 
 @numba.njit(cache=True, inline="always")

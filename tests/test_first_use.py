@@ -57,3 +57,37 @@ def test_first_compile_is_announced_once_and_cached_kernels_are_silent(tmp_path)
     stdout, said = _run(tmp_path)  # a new process: the kernels load from the cache, nothing is said
     assert "cached before: True True" in stdout and "value: 5.0" in stdout
     assert said == []
+
+
+_LYAPUNOV_COLD = '''
+from numba.core import event
+compiled = []
+
+class Names(event.Listener):
+    def on_start(self, ev):
+        d = ev.data["dispatcher"]
+        compiled.append(getattr(d, "py_func", d).__qualname__)
+
+    def on_end(self, ev):
+        pass
+
+event.register("numba:compile", Names())
+from iterops.linalg.lyapunov import _ABI, lyapunov_kernel
+_ABI["float64"].external
+print("kernel signatures:", len(lyapunov_kernel.signatures))
+print("compiled:", " ".join(compiled))
+'''
+
+
+def test_lyapunov_kernel_compiles_once_inside_its_c_abi_function(tmp_path):
+    """Cold compile structure (``benchmarks/bench_compile.py``): the kernel is inlined into its C-ABI
+    function instead of being compiled on its own and then again inside it, and no slice assignment
+    from an array pulls Numba's shape-mismatch message (string formatting) into the kernel."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", _LYAPUNOV_COLD], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr
+    compiled = next(line for line in out.stdout.splitlines() if line.startswith("compiled:")).split()[1:]
+    assert "kernel signatures: 0" in out.stdout
+    assert "_relative_residual" in compiled and "_doubling" in compiled  # it did compile cold
+    assert not any("raise_with_shape_context" in name for name in compiled), compiled

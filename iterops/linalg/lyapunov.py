@@ -72,7 +72,7 @@ from iterops._fused import (
     F64P, FusedOp, OpaqueKernel, apply_batched, data_ptr, entry_point, keep_alive, register_fused_op,
 )
 from iterops._implicit import implicit_pullback, implicit_pushforward
-from iterops._linalg_kernels import mm
+from iterops._linalg_kernels import copy_into, mm
 from iterops._validate import as_tensor, check_dim_match, check_square, float_dtype
 
 __all__ = ["solve_discrete_lyapunov", "DiscreteLyapunov", "lyapunov_kernel"]
@@ -88,7 +88,21 @@ _ON_FAILURE = ("nan", "raise")
 @numba.njit(cache=True)
 def _ct(M):
     """Conjugate transpose, contiguous."""
-    return np.ascontiguousarray(M.conj().T)
+    n, m = M.shape
+    out = np.empty((m, n), dtype=M.dtype)
+    for i in range(n):
+        for j in range(m):
+            out[j, i] = np.conj(M[i, j])
+    return out
+
+
+@numba.njit(cache=True)
+def _all_finite(M):
+    for i in range(M.shape[0]):
+        for j in range(M.shape[1]):
+            if not np.isfinite(M[i, j]):
+                return False
+    return True
 
 
 @numba.njit(cache=True)
@@ -133,7 +147,7 @@ def _schur(A, Q):
     T = np.ascontiguousarray(T)
     U = np.ascontiguousarray(Z)
     Uh = _ct(U)
-    C = Uh @ (np.ascontiguousarray(Q).astype(np.complex128) @ U)
+    C = mm(Uh, mm(np.ascontiguousarray(Q).astype(np.complex128), U))
     Y = np.zeros((n, n), dtype=np.complex128)
     w = np.empty(n, dtype=np.complex128)
     rhs = np.empty(n, dtype=np.complex128)
@@ -159,7 +173,7 @@ def _schur(A, Q):
             if np.abs(d) < sing:
                 return np.full((n, n), np.nan + 0j), False
             Y[i, j] = acc / d
-    X = U @ (Y @ Uh)
+    X = mm(U, mm(Y, Uh))
     return X, True
 
 
@@ -177,13 +191,20 @@ def _as_dtype_of_impl(Z, like):
 
 @numba.njit(cache=True)
 def _relative_residual(A, Q, X):
-    R = mm(mm(A, X), _ct(A)) - X + Q
-    nA = np.max(np.abs(A))
-    nX = np.max(np.abs(X))
-    return np.max(np.abs(R)) / max(nA * nA * nX + nX + np.max(np.abs(Q)), 1e-300)
+    """``max|A X A^H - X + Q| / (max|A|^2 max|X| + max|X| + max|Q|)`` (loops: no array expression)."""
+    n = A.shape[0]
+    R = mm(mm(A, X), _ct(A))
+    nA = nX = nQ = nR = 0.0
+    for i in range(n):
+        for j in range(n):
+            nA = max(nA, np.abs(A[i, j]))
+            nX = max(nX, np.abs(X[i, j]))
+            nQ = max(nQ, np.abs(Q[i, j]))
+            nR = max(nR, np.abs(R[i, j] - X[i, j] + Q[i, j]))
+    return nR / max(nA * nA * nX + nX + nQ, 1e-300)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def lyapunov_kernel(A, Q, method, tol, max_iter):
     """Solve ``A X A^H - X + Q = 0`` for one (n, n) system.
 
@@ -195,7 +216,7 @@ def lyapunov_kernel(A, Q, method, tol, max_iter):
     X = np.full((n, n), np.nan, dtype=A.dtype)
     if n == 0:
         return X, True
-    if not (np.all(np.isfinite(A)) and np.all(np.isfinite(Q))):
+    if not (_all_finite(A) and _all_finite(Q)):
         return X, False
     eps = np.finfo(np.float64).eps
     if tol <= 0.0:
@@ -209,8 +230,8 @@ def lyapunov_kernel(A, Q, method, tol, max_iter):
     Xs, ok = _schur(A, Q)
     if not ok:
         return X, False
-    X[:] = _as_dtype_of(Xs, X)
-    if not np.all(np.isfinite(X)):
+    copy_into(_as_dtype_of(Xs, X), X)
+    if not _all_finite(X):
         return np.full((n, n), np.nan, dtype=A.dtype), False
     return X, True
 
@@ -222,9 +243,11 @@ def lyapunov_kernel(A, Q, method, tol, max_iter):
 
 def _lyapunov_abi(A, Q, X, n, method, tol, max_iter):
     """C-ABI barrier around :func:`lyapunov_kernel` (see :class:`iterops._fused.OpaqueKernel`):
-    writes X, returns 1 if solved."""
+    writes X, returns 1 if solved.  The kernel is ``inline="always"``: compiled once, here (a kernel
+    compiled on its own would be optimized and compiled to machine code twice, once more in this
+    function that links it)."""
     Xs, ok = lyapunov_kernel(numba.carray(A, (n, n)), numba.carray(Q, (n, n)), method, tol, max_iter)
-    numba.carray(X, (n, n))[:] = Xs
+    copy_into(Xs, numba.carray(X, (n, n)))
     return 1 if ok else 0
 
 

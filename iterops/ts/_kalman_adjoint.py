@@ -10,6 +10,9 @@ with the output cotangents of a step joining where their output is made.  Over a
 stretch the gain terms cancel (up to the covariance jitter's, which stay linear in the covariance
 cotangent) and the covariance cotangents of the whole stretch follow from one Lyapunov equation
 (:func:`_steady_adjoint_run`), solved by :mod:`iterops.linalg.lyapunov`'s Smith doubling.
+
+Compile time: the kernel and its stages are ``inline="always"``, compiled once as part of the C-ABI
+kernel (see :mod:`iterops.ts._kalman_filter`); only small leaf helpers are compiled on their own.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import numba
 import numpy as np
 
 from iterops._fused import keep_alive
-from iterops._linalg_kernels import borrowed, cho_inverse, congruence, matmul, sym_into
+from iterops._linalg_kernels import borrowed, cho_inverse, congruence, copy_into, matmul, sym_into
 from iterops.linalg.lyapunov import _doubling
 from iterops.ts._kalman_steps import (
     System, closed_loop, fully_observed, innovation, loglik, loglik_vjp, observe, observe_vjp, predict_cov_vjp,
@@ -79,7 +82,7 @@ def _has(x):
     return x.shape[0] > 0
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad):
     """Reverse-mode adjoint of :func:`iterops.ts._kalman_filter.kalman_filter_kernel`.
 
@@ -152,18 +155,18 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad):
         t -= 1
     if sum_rq:
         rq_vjp(Grq, system.R[0], system.Q[0], grad.system.R[0], grad.system.Q[0])
-    grad.a0[:] = abar
-    grad.P0[:, :] = Pbar
+    copy_into(abar, grad.a0)
+    copy_into(Pbar, grad.P0)
     keep_alive((ws_own, rw_own))
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _steady_cache(P, Tt, Zt, cache):
     """Fill ``cache`` (:class:`_SteadyCache`) for the fully observed step just reversed, whose
     ``K``, ``Finv`` are in ``cache``: ``P``, ``A = I - K Z``, ``B = K F^{-1}``, ``N = B Z``,
     ``Aj = A - j N``, ``TN = T N``, ``Lss = T Aj``."""
     m = P.shape[0]
-    cache.P[:] = P
+    copy_into(P, cache.P)
     closed_loop(cache.K, Zt, Zt.shape[0], cache.A)
     matmul(cache.K, cache.Finv, cache.B)
     matmul(cache.B, Zt, cache.N)
@@ -174,7 +177,7 @@ def _steady_cache(P, Tt, Zt, cache):
     matmul(Tt, cache.Aj, cache.Lss)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _fill(grad, value):
     """Every input cotangent but ``a0`` (set last) = value."""
     for out in (grad.y, grad.system.c, grad.system.d, grad.P0):
@@ -183,16 +186,16 @@ def _fill(grad, value):
         out[:] = value
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _entering_cotangents(cot, n, m):
     """Cotangents of ``a_n, P_n`` (the last prediction): those of ``predicted_state[n]``,
     ``predicted_cov[n]``, or 0."""
     abar = np.zeros(m)
     Pbar = np.zeros((m, m))
     if _has(cot.predicted_state):
-        abar[:] = cot.predicted_state[n]
+        copy_into(cot.predicted_state[n], abar)
     if _has(cot.predicted_cov):
-        Pbar[:] = cot.predicted_cov[n]
+        copy_into(cot.predicted_cov[n], Pbar)
     return abar, Pbar
 
 
@@ -200,7 +203,7 @@ def _entering_cotangents(cot, n, m):
 def _row_or_zero(g, t, out):
     """out = g[t], or 0 if the cotangent g is disconnected."""
     if _has(g):
-        out[:] = g[t]
+        copy_into(g[t], out)
     else:
         out[:] = 0.0
 
@@ -304,13 +307,13 @@ def _steady_adjoint_run(t, y, system, options, ap, Pp, cot, grad, abar, Pbar, Gr
     _steady_reverse_steps(t, s0, window, y, system, ap, cot, grad, abar, Pbar, cache, sw, sums)
     if not exact:
         G = _steady_lyapunov_rhs(t, s0, Zt, cache, cot, E, Pbar, sw, sums)
-        sums.Gs[:, :] = _steady_gs(cache, G)
+        copy_into(_steady_gs(cache, G), sums.Gs)
     _steady_flush(Tt, Zt, cache, sums, grad.system.T[0], grad.system.Z[0], grad.system.H[0], Grq)
     keep_alive(sw_own)
     return s0 - 1
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _steady_work(m, p):
     """An uninitialized :class:`_SteadyWork` of borrowed arrays, and their owners."""
     own = _SteadyWork(
@@ -325,7 +328,7 @@ def _steady_work(m, p):
     return work, own
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _steady_reverse_steps(t, s0, window, y, system, ap, cot, grad, abar, Pbar, cache, sw, sums):
     """Steps t, ..., s0 of :func:`_steady_adjoint_run`: on every step the mean path and the sums
     (recompute ``v``, ``w = F^{-1} v``, ``a_f = a + K v``; reverse ``a' = T a_f + c``, the likelihood
@@ -445,7 +448,7 @@ def _steady_cov_step(s, exact, Zt, cache, has_Pf, g_Pp, Pbar, sw, Gs):
     _carry_cov(P_bar_new, s, g_Pp, Pbar)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _steady_lyapunov_rhs(t, s0, Zt, cache, cot, E, Pbar, sw, sums):
     """The right-hand side ``sum C + E - P_bar_s0`` of ``Gs = Phi(Gs) + (sum C + E - P_bar_s0)``, with
     ``sum C = Z^T Xs Z + sym(Ms Z) + Aj^T Ss Aj - j^2 N^T Ss N + Cs``, ``Cs`` the sum of
@@ -473,7 +476,7 @@ def _steady_lyapunov_rhs(t, s0, Zt, cache, cot, E, Pbar, sw, sums):
     return G
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _steady_flush(Tt, Zt, cache, sums, gT, gZ, gH, Grq):
     """Add the covariance-path parameter cotangents of a steady stretch (the sums of
     :func:`_steady_adjoint_run`): the predict reverse with ``G = Gs`` (its R/Q part through
@@ -486,8 +489,11 @@ def _steady_flush(Tt, Zt, cache, sums, gT, gZ, gH, Grq):
     Gs, Ss, Xs, Ms = sums
     P, K, Pf, j = cache.P, cache.K, cache.Pf, cache.j
     predict_cov_vjp(Gs, Tt, Pf, gT, Ss, 1.0, np.empty((m, m)))  # Ss <- S
-    Grq += Gs
-    Psum = P + P.T
+    Psum = np.empty((m, m))
+    for i in range(m):
+        for l in range(m):
+            Grq[i, l] += Gs[i, l]
+            Psum[i, l] = P[i, l] + P[l, i]
     SA = np.empty((m, m))
     A_bar = np.empty((m, m))
     matmul(Ss, cache.Aj, SA)
@@ -519,7 +525,7 @@ def _steady_flush(Tt, Zt, cache, sums, gT, gZ, gH, Grq):
 # ---------------------------------------------------------------------------
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _steady_window(cache, n_steps):
     """Number ``K`` (a power of two) of steps nearest a stretch's start that run the covariance
     recursion: the first with ``||Lss^K||_F^2 <= _WINDOW_TOL``.  0 (the recursion on every step)
@@ -546,7 +552,7 @@ def _steady_window(cache, n_steps):
         if k == _MAX_DOUBLINGS:
             return 0
         matmul(Pk, Pk, Pn)
-        Pk[:, :] = Pn
+        copy_into(Pn, Pk)
     if cache.j != 0.0:
         tn = 0.0
         for i in range(m):
@@ -557,7 +563,7 @@ def _steady_window(cache, n_steps):
     return 1 << k
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _steady_gs(cache, rhs):
     """Solve ``Gs = Lss^T Gs Lss - j^2 (T N)^T Gs (T N) + rhs`` (:func:`_steady_adjoint_run`):
     the Lyapunov equation of ``Lss^T`` by Smith's doubling (:func:`iterops.linalg.lyapunov._doubling`,
@@ -576,7 +582,7 @@ def _steady_gs(cache, rhs):
     X = np.empty((m, m))
     W = np.empty((m, m))
     for _ in range(_MAX_JITTER_SWEEPS):
-        X[:, :] = rhs
+        copy_into(rhs, X)
         matmul(Gs, cache.TN, W)
         matmul(cache.TN.T, W, X, -j2, 1.0)
         Gn, ok = _doubling(LT, X, eps, 100)

@@ -1,6 +1,12 @@
 """The forward Kalman filter loop: the stages of :mod:`iterops.ts._kalman_steps`, step after step, with the
 steady-state shortcut (statsmodels'): once the covariance recursion has converged, only the
-mean recursion runs."""
+mean recursion runs.
+
+Compile time: :func:`filter_into` and the stages it calls are ``inline="always"`` (Numba inlines
+their code into the C-ABI kernel that calls them), so the kernel is optimized and compiled to
+machine code once; a stage compiled on its own would have its code, and that of everything it
+calls, linked and re-optimized by every caller again (measured with ``benchmarks/bench_compile.py``).
+Only small leaf helpers (:mod:`iterops._linalg_kernels`) are compiled on their own."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import numba
 import numpy as np
 
 from iterops._fused import keep_alive
+from iterops._linalg_kernels import copy_into
 from iterops.ts._kalman_steps import (
     LOG_2PI, fully_observed, innovation, loglik, observe, predict_cov, predict_mean, rqr, static_cov, static_rq,
     system_at, ti, update_cov, update_mean, update_work, varies_over_time,
@@ -65,15 +72,15 @@ def kalman_filter_kernel(y, a0, P0, system, options):
     return filter_into(y, a0, P0, system, options, out), out
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def filter_into(y, a0, P0, system, options, out):
     """:func:`kalman_filter_kernel` writing into preallocated :class:`FilterOutputs`; returns the log-likelihood."""
     n, p = y.shape
     m = a0.shape[0]
     r = system.Q.shape[1]
     ap, Pp = out.predicted_state, out.predicted_cov
-    ap[0] = a0
-    Pp[0] = P0
+    copy_into(a0, ap[0])
+    copy_into(P0, Pp[0])
     ws, ws_own = update_work(m, p)
     obs, L, K, w = ws.obs, ws.L, ws.K, ws.w
     W = np.empty((m, m))
@@ -104,7 +111,7 @@ def filter_into(y, a0, P0, system, options, out):
         total += ll
         predict_mean(af, st.c, st.T, ap[t + 1])
         if steady and k == p:  # freeze the covariance recursion at P_t
-            Pp[t + 1] = Pp[t]
+            copy_into(Pp[t], Pp[t + 1])
             t, part = _steady_run(t + 1, y, system, options, logdet, L, K, w, out)
             total += part
             steady = False

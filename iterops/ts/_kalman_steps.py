@@ -24,6 +24,9 @@ reverse reuses), :class:`ReverseWork`.  A stage takes a work NamedTuple when it 
 (the update and its reverse), otherwise the arrays it uses.  Work arrays are
 :func:`~iterops._linalg_kernels.borrowed`, so that passing them to a per-step function costs no
 reference counting.  Every symmetric matrix is computed on one triangle and mirrored.
+
+Every stage is ``inline="always"``: it is compiled as part of the kernel that calls it, once (see
+:mod:`iterops.ts._kalman_filter` on compile time).
 """
 
 from __future__ import annotations
@@ -484,8 +487,12 @@ def rq_vjp(G, Rt, Qt, gR, gQ):
     ``Q_bar += R^T G R``.  Linear in G: static R, Q take the sum of G over all steps, once."""
     m, r = Rt.shape
     GR = np.empty((m, r))
+    Qs = np.empty((r, r))
+    for i in range(r):
+        for jj in range(r):
+            Qs[i, jj] = Qt[i, jj] + Qt[jj, i]
     matmul(G, Rt, GR)
-    matmul(GR, Qt + Qt.T, gR, 1.0, 1.0)
+    matmul(GR, Qs, gR, 1.0, 1.0)
     matmul(Rt.T, GR, gQ, 1.0, 1.0)
 
 
@@ -500,7 +507,9 @@ def predict_vjp(a_bar, P_bar, af, Pf, st, gst, sum_rq, Grq, G, W, Pf_bar, af_bar
     sym_into(P_bar, G)
     predict_cov_vjp(G, st.T, Pf, gst.T, Pf_bar, 0.0, W)
     if sum_rq:
-        Grq += G
+        for i in range(m):
+            for l in range(m):
+                Grq[i, l] += G[i, l]
     else:
         rq_vjp(G, st.R, st.Q, gst.R, gst.Q)
     for i in range(m):  # c_bar += a'_bar; T_bar += a'_bar a_f^T; a_f_bar += T^T a'_bar

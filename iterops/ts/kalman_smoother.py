@@ -36,7 +36,7 @@ from pytensor.graph.basic import Apply
 from pytensor.tensor.variable import TensorVariable
 
 from iterops._fused import F64P, data_ptr, entry_point, keep_alive, opaque_kernel, register_fused_op
-from iterops._linalg_kernels import cho_inverse, matmul, sym_inplace
+from iterops._linalg_kernels import cho_inverse, copy_into, matmul, sym_inplace
 from iterops.ts._kalman_filter import kalman_filter_kernel
 from iterops.ts._kalman_steps import (
     Options, closed_loop, loglik, observe, system_at, update_cov, update_work, varies_over_time,
@@ -54,7 +54,7 @@ class KalmanSmootherResult(NamedTuple):
     smoothed_cov: TensorVariable  #: (..., n, m, m)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def kalman_smoother_kernel(y, a0, P0, system, options):
     """Smoothed states and covariances of one series (arguments as
     :func:`iterops.ts._kalman_filter.kalman_filter_kernel`).
@@ -93,7 +93,7 @@ def kalman_smoother_kernel(y, a0, P0, system, options):
             for l in range(m):
                 s += Lt[l, i] * r[l]
             r_new[i] = s
-        r[:] = r_new
+        copy_into(r_new, r)
         matmul(N, Lt, W)  # N <- L_t^T N L_t + Zo^T Finv Zo
         matmul(Lt.T, W, N)
         matmul(Finv[:k, :k], Zo[:k], FZ[:k])
@@ -124,8 +124,8 @@ def _smoother_abi(y, a0, P0, c, d, T, Z, R, H, Q, oa, oP, sizes, jitter, mv, use
     n, m = s[0], s[2]
     y_, a0_, P0_, system = inputs_from_pointers(y, a0, P0, c, d, T, Z, R, H, Q, s)
     a_s, P_s = kalman_smoother_kernel(y_, a0_, P0_, system, Options(jitter, mv, use_mv != 0))
-    numba.carray(oa, (n, m))[:] = a_s
-    numba.carray(oP, (n, m, m))[:] = P_s
+    copy_into(a_s, numba.carray(oa, (n, m)))
+    copy_into(P_s, numba.carray(oP, (n, m, m)))
 
 
 @entry_point
