@@ -86,6 +86,12 @@ def _block_diag_case(rng):
     return [x], rl.block_diag_loop(x), [x], [rng.normal(size=(4, 2, 3))]
 
 
+def _block_diag_sequence_case(rng, **scan_kwargs):
+    """The blocks read as a Scan *sequence*: the loop's gradient reaches ``x`` through the Scan's slice of it."""
+    x = pt.tensor3("x")
+    return [x], rl.block_diag_sequence_loop(x, **scan_kwargs), [x], [rng.normal(size=(4, 2, 3))]
+
+
 def _levinson_case(rng, which):
     gamma = pt.vector("gamma")
     phi, sigma2, pacf = rl.levinson_loop(gamma, 3)
@@ -112,10 +118,11 @@ def _kalman_case(rng, which):
     s = _kalman_symbols()
     ll, a, Ps = rl.kalman_textbook_loop(s["y"], s["a0"], s["L0"] @ s["L0"].T, s["T"], s["Z"], s["R"],
                                         s["LH"] @ s["LH"].T, s["LQ"] @ s["LQ"].T)
-    out = {"ll": ll, "all": [ll, a, Ps], "last": [Ps[-1], a[-1]]}[which]
+    out = {"ll": ll, "all": [ll, a, Ps], "last": [Ps[-1], a[-1]], "wrt_y": [ll, a]}[which]
     v = _kalman_values(rng)
     names = list(s)
-    return [s[k] for k in names], out, [s[k] for k in names if k != "y"], [v[k] for k in names]
+    wrt = [s[k] for k in names if k != "y" or which == "wrt_y"]  # the observations are a Scan sequence
+    return [s[k] for k in names], out, wrt, [v[k] for k in names]
 
 
 def _pymc_extras_case(rng, which):
@@ -139,6 +146,8 @@ CASES = {
     "fixed_point": lambda rng: _lyapunov_case(rl.fixed_point_loop, rng),
     "fixed_point_x0": _fixed_point_x0_case,
     "block_diag": _block_diag_case,
+    "block_diag_sequence": _block_diag_sequence_case,
+    "block_diag_sequence_backwards": lambda rng: _block_diag_sequence_case(rng, go_backwards=True),
     "levinson_phi": lambda rng: _levinson_case(rng, "phi"),
     "levinson_sigma2": lambda rng: _levinson_case(rng, "sigma2"),
     "levinson_pacf": lambda rng: _levinson_case(rng, "pacf"),
@@ -146,6 +155,7 @@ CASES = {
     "kalman_ll": lambda rng: _kalman_case(rng, "ll"),
     "kalman_all": lambda rng: _kalman_case(rng, "all"),
     "kalman_last": lambda rng: _kalman_case(rng, "last"),
+    "kalman_wrt_y": lambda rng: _kalman_case(rng, "wrt_y"),
     "pymc_extras_ll": lambda rng: _pymc_extras_case(rng, "ll"),
     "pymc_extras_all": lambda rng: _pymc_extras_case(rng, "all"),
 }
