@@ -264,3 +264,25 @@ def test_explain_reports_the_gradient_scan(rng):
     kept = iterops.explain(pytensor.grad((rl.fixed_point_loop(*ins[:2], truncate_gradient=2)).sum(), wrt))
     assert not kept.replaced and len(kept.kept) == 2, str(kept)
     assert "truncate_gradient=2" in str(kept.kept[1]) and kept.kept[1].gradient_of, str(kept)
+
+
+def test_sequence_read_through_its_source_only_when_the_source_feeds_nothing_else():
+    """``_sliced_source``: the fused gradient of a sequence's source, sliced, is the loop's gradient of the
+    sequence only if the source reaches the loop through that sequence alone (shapes do not count)."""
+    from iterops.fusion.gradient import _sliced_source
+
+    def step(i, xi, out, s):
+        return out + s * xi.sum()
+
+    x = pt.tensor3("x")
+    for extra, want in ((pt.cast(x.shape[0], "float64"), True), (x.sum(), False)):
+        out = pytensor.scan(step, sequences=[pt.arange(x.shape[0]), x], outputs_info=[pt.zeros(())],
+                            non_sequences=[extra], return_updates=False)
+        F = out.owner.inputs[0].owner
+        while not isinstance(F.op, Scan):
+            F = F.inputs[0].owner
+        seq = F.inputs[2]  # n_steps, the index sequence, the blocks sequence
+        found = _sliced_source(F, seq, {x})
+        assert (found is not None) == want, (extra, found)
+        if want:
+            assert found[0] is x and all(n.op.__class__.__name__ == "Subtensor" for n in found[1])
