@@ -286,3 +286,19 @@ def test_sequence_read_through_its_source_only_when_the_source_feeds_nothing_els
         assert (found is not None) == want, (extra, found)
         if want:
             assert found[0] is x and all(n.op.__class__.__name__ == "Subtensor" for n in found[1])
+
+
+@pytest.mark.parametrize("start", ["Q", "2 Q"])
+def test_start_value_built_from_another_loop_input(start, rng):
+    """Deep-fuzzer finding: ``X0 = Q`` (or ``2 Q``) with ``Q`` also a non-sequence.  The fused Op's gradient
+    of ``Q`` is then the total derivative (both paths), while the loop's gradient graph adds the start value's
+    path to ``Q``'s gradient itself: replacing both gradients would count that path twice.  Equal to the loop
+    (the pair is kept as Scans)."""
+    A, Q = pt.matrix("A"), pt.matrix("Q")
+    X0 = Q if start == "Q" else 2 * Q
+    Xs = pytensor.scan(rl.fixed_point_step, outputs_info=[X0], non_sequences=[A, Q, 1e-10], n_steps=300,
+                       return_updates=False)
+    X = Xs[-1]
+    cost = (X * _weights(X, 0)).sum()
+    L = rng.normal(size=(3, 3))
+    _assert_fused_and_equal([A, Q], [cost, *pytensor.grad(cost, [A, Q])], [_stable(rng), L @ L.T], fused=False)

@@ -455,20 +455,30 @@ def _flows_only_into_base(fgraph, t, x0, reachable):
 
 def _float_ancestors(variables):
     """Ancestors of ``variables`` through which a gradient can flow: not through integer (or boolean) values
-    such as shapes and indices, whose gradient is zero."""
+    such as shapes and indices, nor through provable zeros (``zeros_like(x)``), whose gradient is zero."""
     seen, stack = set(), [v for v in variables if _is_float(v)]
     while stack:
         v = stack.pop()
         if v in seen:
             continue
         seen.add(v)
-        if v.owner is not None:
+        if v.owner is not None and not _is_zero(v):
             stack.extend(i for i in v.owner.inputs if _is_float(i))
     return seen
 
 
 def _is_float(v):
     return str(getattr(v.type, "dtype", "")).startswith(("float", "complex"))
+
+
+def _shared_paths(wrt_of, targets):
+    """Two gradients replaced for different loop inputs where one's variable is (or builds) the other's."""
+    items = [(targets[var][1], w) for var, (w, _) in wrt_of.items()]
+    for j1, w1 in items:
+        for j2, w2 in items:
+            if j1 != j2 and w1 in _float_ancestors([w2]):
+                return True
+    return False
 
 
 def _sliced_source(F, w, reachable):
@@ -667,6 +677,12 @@ def _replacements(fgraph, F, match, targets, cots, last_terms, aux, replacements
             del wrt_of[var]
         if not wrt_of:
             continue
+        if _shared_paths(wrt_of, targets):
+            # the fused gradient of a variable is a total derivative: if it also builds another loop input the
+            # fused graph reads (X0 = Q with Q a non-sequence too), the loop's gradient graph adds that path to
+            # it by itself, and replacing both would count it twice
+            _log.debug("gradient fusion kept: one variable feeds two loop inputs")
+            return None
         wrt = list(dict.fromkeys(w for w, _ in wrt_of.values()))
         grads = pytensor.grad(None, wrt=wrt, known_grads=known, disconnected_inputs="ignore",
                               return_disconnected="zero")
