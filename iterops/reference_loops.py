@@ -290,3 +290,20 @@ def step_up_loop(pacf, order, *, step=step_up_step, **scan_kwargs):
     phis = pytensor.scan(step, sequences=[pt.arange(1, order + 1), pacf], outputs_info=[pt.zeros(order)],
                          return_updates=False, **scan_kwargs)
     return phis[-1]
+
+
+def block_diag_sequence_step(i, xi, out):
+    """Write the block ``x_i`` (the blocks tensor read as a Scan sequence) at block position ``(i, i)``."""
+    n, m = xi.shape[0], xi.shape[1]
+    return pt.set_subtensor(out[i * n:(i + 1) * n, i * m:(i + 1) * m], xi)
+
+
+def block_diag_sequence_loop(x, *, step=block_diag_sequence_step, **scan_kwargs):
+    """:func:`block_diag_loop` with the blocks as a second sequence (``go_backwards=True`` accepted)."""
+    k, n, m = x.shape
+    outs = pytensor.scan(step, sequences=[pt.arange(k), x], outputs_info=[pt.zeros((k * n, k * m), dtype=x.dtype)],
+                         return_updates=False, **scan_kwargs)
+    return outs[-1]
+
+
+__all__ += ["block_diag_sequence_step", "block_diag_sequence_loop"]

@@ -517,11 +517,7 @@ def test_unmutated_loops_are_fused_and_exact(name):
 
 
 #: harness loops whose plain-``pytensor.grad`` graph keeps its Scans today (sound, not yet fused), and why
-PLAIN_GRAD_KEPT = {
-    # the fused graph reads the blocks tensor, not the Scan's sliced sequence input: the sequence gradient of
-    # the gradient Scan is not routed through the slice (iterops.fusion.gradient keeps the Scans)
-    "block_diag_sequence": "sequence gradient through the Scan's slice of the sequence",
-}
+PLAIN_GRAD_KEPT: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("name", sorted(HARNESSES))

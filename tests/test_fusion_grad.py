@@ -86,6 +86,12 @@ def _block_diag_case(rng):
     return [x], rl.block_diag_loop(x), [x], [rng.normal(size=(4, 2, 3))]
 
 
+def _block_diag_sequence_case(rng, **scan_kwargs):
+    """The blocks read as a Scan *sequence*: the loop's gradient reaches ``x`` through the Scan's slice of it."""
+    x = pt.tensor3("x")
+    return [x], rl.block_diag_sequence_loop(x, **scan_kwargs), [x], [rng.normal(size=(4, 2, 3))]
+
+
 def _levinson_case(rng, which):
     gamma = pt.vector("gamma")
     phi, sigma2, pacf = rl.levinson_loop(gamma, 3)
@@ -112,10 +118,11 @@ def _kalman_case(rng, which):
     s = _kalman_symbols()
     ll, a, Ps = rl.kalman_textbook_loop(s["y"], s["a0"], s["L0"] @ s["L0"].T, s["T"], s["Z"], s["R"],
                                         s["LH"] @ s["LH"].T, s["LQ"] @ s["LQ"].T)
-    out = {"ll": ll, "all": [ll, a, Ps], "last": [Ps[-1], a[-1]]}[which]
+    out = {"ll": ll, "all": [ll, a, Ps], "last": [Ps[-1], a[-1]], "wrt_y": [ll, a]}[which]
     v = _kalman_values(rng)
     names = list(s)
-    return [s[k] for k in names], out, [s[k] for k in names if k != "y"], [v[k] for k in names]
+    wrt = [s[k] for k in names if k != "y" or which == "wrt_y"]  # the observations are a Scan sequence
+    return [s[k] for k in names], out, wrt, [v[k] for k in names]
 
 
 def _pymc_extras_case(rng, which):
@@ -139,6 +146,8 @@ CASES = {
     "fixed_point": lambda rng: _lyapunov_case(rl.fixed_point_loop, rng),
     "fixed_point_x0": _fixed_point_x0_case,
     "block_diag": _block_diag_case,
+    "block_diag_sequence": _block_diag_sequence_case,
+    "block_diag_sequence_backwards": lambda rng: _block_diag_sequence_case(rng, go_backwards=True),
     "levinson_phi": lambda rng: _levinson_case(rng, "phi"),
     "levinson_sigma2": lambda rng: _levinson_case(rng, "sigma2"),
     "levinson_pacf": lambda rng: _levinson_case(rng, "pacf"),
@@ -146,6 +155,7 @@ CASES = {
     "kalman_ll": lambda rng: _kalman_case(rng, "ll"),
     "kalman_all": lambda rng: _kalman_case(rng, "all"),
     "kalman_last": lambda rng: _kalman_case(rng, "last"),
+    "kalman_wrt_y": lambda rng: _kalman_case(rng, "wrt_y"),
     "pymc_extras_ll": lambda rng: _pymc_extras_case(rng, "ll"),
     "pymc_extras_all": lambda rng: _pymc_extras_case(rng, "all"),
 }
@@ -254,3 +264,41 @@ def test_explain_reports_the_gradient_scan(rng):
     kept = iterops.explain(pytensor.grad((rl.fixed_point_loop(*ins[:2], truncate_gradient=2)).sum(), wrt))
     assert not kept.replaced and len(kept.kept) == 2, str(kept)
     assert "truncate_gradient=2" in str(kept.kept[1]) and kept.kept[1].gradient_of, str(kept)
+
+
+def test_sequence_read_through_its_source_only_when_the_source_feeds_nothing_else():
+    """``_sliced_source``: the fused gradient of a sequence's source, sliced, is the loop's gradient of the
+    sequence only if the source reaches the loop through that sequence alone (shapes do not count)."""
+    from iterops.fusion.gradient import _sliced_source
+
+    def step(i, xi, out, s):
+        return out + s * xi.sum()
+
+    x = pt.tensor3("x")
+    for extra, want in ((pt.cast(x.shape[0], "float64"), True), (x.sum(), False)):
+        out = pytensor.scan(step, sequences=[pt.arange(x.shape[0]), x], outputs_info=[pt.zeros(())],
+                            non_sequences=[extra], return_updates=False)
+        F = out.owner.inputs[0].owner
+        while not isinstance(F.op, Scan):
+            F = F.inputs[0].owner
+        seq = F.inputs[2]  # n_steps, the index sequence, the blocks sequence
+        found = _sliced_source(F, seq, {x})
+        assert (found is not None) == want, (extra, found)
+        if want:
+            assert found[0] is x and all(n.op.__class__.__name__ == "Subtensor" for n in found[1])
+
+
+@pytest.mark.parametrize("start", ["Q", "2 Q"])
+def test_start_value_built_from_another_loop_input(start, rng):
+    """Deep-fuzzer finding: ``X0 = Q`` (or ``2 Q``) with ``Q`` also a non-sequence.  The fused Op's gradient
+    of ``Q`` is then the total derivative (both paths), while the loop's gradient graph adds the start value's
+    path to ``Q``'s gradient itself: replacing both gradients would count that path twice.  Equal to the loop
+    (the pair is kept as Scans)."""
+    A, Q = pt.matrix("A"), pt.matrix("Q")
+    X0 = Q if start == "Q" else 2 * Q
+    Xs = pytensor.scan(rl.fixed_point_step, outputs_info=[X0], non_sequences=[A, Q, 1e-10], n_steps=300,
+                       return_updates=False)
+    X = Xs[-1]
+    cost = (X * _weights(X, 0)).sum()
+    L = rng.normal(size=(3, 3))
+    _assert_fused_and_equal([A, Q], [cost, *pytensor.grad(cost, [A, Q])], [_stable(rng), L @ L.T], fused=False)

@@ -33,7 +33,10 @@ both would stay Scans.  This module replaces the pair:
    The gradient with respect to an initial-state buffer is replaced only
    where its users read row 0 alone (the row holding the initial value; the
    other rows are the loop's intermediate adjoints, never read by
-   ``pytensor.grad``'s graph of ``set_subtensor(empty[:1], x0)``).
+   ``pytensor.grad``'s graph of ``set_subtensor(empty[:1], x0)``).  A
+   sequence that the fused graph reads through its source (``x`` for the
+   Scan's slice ``x[:n]`` or ``x[::-1][:n]``) gets the fused gradient of the
+   source, sliced alike (:func:`_sliced_source` says why that is exact).
 
 Several costs differentiated through one loop give several gradient Scans:
 each is identified and replaced with its own cotangents.  The rewrite runs
@@ -450,6 +453,68 @@ def _flows_only_into_base(fgraph, t, x0, reachable):
     return True
 
 
+def _float_ancestors(variables):
+    """Ancestors of ``variables`` through which a gradient can flow: not through integer (or boolean) values
+    such as shapes and indices, nor through provable zeros (``zeros_like(x)``), whose gradient is zero."""
+    seen, stack = set(), [v for v in variables if _is_float(v)]
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v.owner is not None and not _is_zero(v):
+            stack.extend(i for i in v.owner.inputs if _is_float(i))
+    return seen
+
+
+def _is_float(v):
+    return str(getattr(v.type, "dtype", "")).startswith(("float", "complex"))
+
+
+def _shared_paths(wrt_of, targets):
+    """Two gradients replaced for different loop inputs where one's variable is (or builds) the other's."""
+    items = [(targets[var][1], w) for var, (w, _) in wrt_of.items()]
+    for j1, w1 in items:
+        for j2, w2 in items:
+            if j1 != j2 and w1 in _float_ancestors([w2]):
+                return True
+    return False
+
+
+def _sliced_source(F, w, reachable):
+    """``(source, slice nodes)`` if ``F``'s input ``w`` is ``source[s0][s1]...`` (slices only, e.g. the rows a
+    Scan sequence reads, ``x[:n]`` or ``x[::-1][:n]``) and the fused graph reads ``source`` instead of ``w``;
+    else None.
+
+    The fused gradient of ``source`` then gives the loop's gradient of ``w``: the fused graph computes
+    ``f(source) = loop(S source)`` with ``S`` the selection of rows the slices make (the pattern's ``check``
+    proved it), so ``grad_source = S^T grad_w``, and a slice selects distinct rows (``S S^T = I``), hence
+    ``grad_w = S grad_source`` -- the same slices applied to the gradient.  This needs ``source`` to reach
+    the fused graph only that way: not through another of ``F``'s inputs (an initial value ``source[0]``, a
+    non-sequence ``source``), which would add its own term to ``grad_source``.
+    """
+    chain, v = [], w
+    while v.owner is not None and isinstance(v.owner.op, Subtensor):
+        idx = indices_from_subtensor(v.owner.inputs[1:], v.owner.op.idx_list)
+        if len(idx) != 1 or not isinstance(idx[0], slice):
+            return None
+        chain.append(v.owner)
+        v = v.owner.inputs[0]
+    if not chain or v not in reachable or not _is_float(v):
+        return None
+    others = [x for x in F.inputs if x is not w]
+    if v in _float_ancestors(others):
+        return None
+    return v, chain[::-1]
+
+
+def _slice_like(g, chain):
+    """``g`` sliced as the ``chain`` of Subtensor nodes (innermost first) slices its source."""
+    for node in chain:
+        g = node.op(g, *node.inputs[1:])
+    return g
+
+
 def fuse_with_gradients(fgraph, F, patterns=None) -> GradientPair | None:
     """Replace ``F`` and the gradient Scans identified as its pullbacks by a fused Op and its gradient.
 
@@ -593,8 +658,14 @@ def _replacements(fgraph, F, match, targets, cots, last_terms, aux, replacements
             else:
                 wrt_of[var] = (x, None)
         reachable = set(ancestors(list(known)))
+        via_source = {}  # var -> (source, slices): a sequence the fused graph reads through its source
         for var, (w, buffer) in list(wrt_of.items()):
             if w in reachable:
+                continue
+            source = _sliced_source(F, w, reachable) if buffer is None else None
+            if source is not None:
+                via_source[var] = source
+                wrt_of[var] = (source[0], None)
                 continue
             # the replacement reads an initial value x0 = base[i] through ``base`` (e.g. Levinson's v0 = gamma[0]):
             # the fused gradient of ``base`` holds this path; exact where the loop's gradient of x0 only flows into
@@ -606,12 +677,20 @@ def _replacements(fgraph, F, match, targets, cots, last_terms, aux, replacements
             del wrt_of[var]
         if not wrt_of:
             continue
+        if _shared_paths(wrt_of, targets):
+            # the fused gradient of a variable is a total derivative: if it also builds another loop input the
+            # fused graph reads (X0 = Q with Q a non-sequence too), the loop's gradient graph adds that path to
+            # it by itself, and replacing both would count it twice
+            _log.debug("gradient fusion kept: one variable feeds two loop inputs")
+            return None
         wrt = list(dict.fromkeys(w for w, _ in wrt_of.values()))
         grads = pytensor.grad(None, wrt=wrt, known_grads=known, disconnected_inputs="ignore",
                               return_disconnected="zero")
         gmap = dict(zip(wrt, grads))
         for var, (w, buffer) in wrt_of.items():
             g = gmap[w]
+            if var in via_source:
+                g = _slice_like(g, via_source[var][1])
             if buffer is not None:
                 g = pt.set_subtensor(pt.zeros_like(buffer)[0], pt.cast(g, buffer.dtype))
             if g.type.dtype != var.type.dtype:

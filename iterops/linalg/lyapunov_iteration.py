@@ -28,7 +28,9 @@ a NaN change or a NaN ``tol`` never stops the loop (NaN compares false).
 
 Arithmetic follows the user's loop: the same association of products, in the
 loop's dtype (float32 stays float32; for the doubling loop ``alpha`` keeps
-``A``'s dtype and ``gamma`` the upcast of ``A`` and ``Q``).
+``A``'s dtype and ``gamma`` the upcast of ``A`` and ``Q``), products by BLAS
+gemm as ``pt.dot`` computes them (plain loops below 5x5, where a gemm call
+costs more than the product, see ``_mm``): the loop's values to rounding.
 
 Failure is a value: the kernels never raise and never loop beyond ``n_steps``;
 overflow (an unstable ``A``) gives inf/NaN that propagate as in the loop.
@@ -36,8 +38,9 @@ overflow (an unstable ``A``) gives inf/NaN that propagate as in the loop.
 Gradients: the reverse-mode adjoint of the recursion *as run* -- what
 PyTensor's autodiff of the Scan computes: the number of steps taken is a
 constant and the stop rule is not differentiated.  The adjoint kernel runs the
-loop again keeping every iterate (memory ``O(steps run * m^2)``, as the Scan's
-gradient), then goes back from the last step.  With cotangents ``Ga``, ``Gg``
+loop again keeping every iterate and each step's first product (``A X_k``,
+``alpha_k gamma_k``; memory ``O(steps run * m^2)``, as the Scan's gradient),
+then goes back from the last step.  With cotangents ``Ga``, ``Gg``
 of ``alpha_{k+1}``, ``gamma_{k+1}`` (matrix calculus, e.g. Giles 2008,
 "Collected matrix derivative results for forward and reverse mode AD"):
 
@@ -63,6 +66,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 from numba import types
+from numba.extending import overload
 import pytensor.tensor as pt
 from pytensor.gradient import DisconnectedType, disconnected_type, grad_not_implemented
 from pytensor.graph.basic import Apply
@@ -89,22 +93,31 @@ _STOPS = {None: 0, "max_lt": 1, "max_le": 2, "fro_lt": 3}
 # Kernels (the single implementation)
 # ---------------------------------------------------------------------------
 
+#: from this size on (the first operand's rows), products of operands of one dtype go to BLAS gemm
+_BLAS_MIN = 5
+
+
+def _mm(X, Y, out, tX=False, tY=False):
+    """``out = op(X) @ op(Y)``, ``op`` a transpose where flagged, in ``out``'s dtype (Numba only).
+
+    The user's loop computes its products with ``pt.dot``, which PyTensor's backends run as BLAS
+    gemm in the loop's dtype (float32 stays float32).  So do these kernels from
+    :data:`_BLAS_MIN` on, for operands of one dtype: ``np.dot`` on C-contiguous arrays and their
+    transposes (Numba hands them to gemm as transpose flags, no copy), the user's loop's own
+    summation.  Below that size a call to gemm costs more than the product (about 0.1 us against
+    0.02-0.06 us at m <= 4), and for operands of mixed dtypes (the doubling loop with a float32
+    ``A`` and a float64 ``Q``) there is no gemm: there plain loops sum in ``out``'s dtype (the
+    entries upcast exactly, as PyTensor's ``Dot`` upcasts its operands), the loop's product to
+    rounding (BLAS itself sums small products in a size-dependent order).
+
+    Not the shared :func:`iterops._linalg_kernels.matmul`: it accumulates in float64 (a float32
+    loop would be summed more precisely than the Scan sums it).
+    """
+    raise NotImplementedError("_mm is only called from Numba kernels")
+
 
 @numba.njit(cache=True)
-def _mm(X, Y, out, tX=False, tY=False, accumulate=False):
-    """``out = op(X) @ op(Y)`` (``+=`` with ``accumulate``), ``op`` a transpose where flagged.
-
-    Plain loops summed in ``out``'s dtype (``X``, ``Y`` may be narrower: their entries are
-    upcast exactly, as PyTensor's ``Dot`` does).  Sized for the small state dimensions of
-    these loops; no BLAS call, so kernels stay quick to compile.
-
-    Why not the shared :func:`iterops._linalg_kernels.matmul`: these Ops reproduce the user's
-    loop *in the loop's dtype*, and ``matmul`` accumulates in float64 (a float32 loop would be
-    summed more precisely than the Scan sums it) and switches to BLAS above
-    :data:`~iterops._linalg_kernels.SMALL` (a different summation order for larger ``m``).
-    The solver kernels (:mod:`iterops.linalg.lyapunov`, the Kalman filter) compute in
-    float64 and use the shared helper.
-    """
+def _mm_loops(X, Y, out, tX=False, tY=False):
     n = X.shape[1] if tX else X.shape[0]
     k = X.shape[0] if tX else X.shape[1]
     m = Y.shape[0] if tY else Y.shape[1]
@@ -113,7 +126,39 @@ def _mm(X, Y, out, tX=False, tY=False, accumulate=False):
             s = out.dtype.type(0)
             for l in range(k):
                 s += (X[l, i] if tX else X[i, l]) * (Y[j, l] if tY else Y[l, j])
-            out[i, j] = out[i, j] + s if accumulate else s
+            out[i, j] = s
+
+
+def _mm_gemm(X, Y, out, tX=False, tY=False):
+    if min(X.shape[0], X.shape[1], out.shape[1]) < _BLAS_MIN:
+        _mm_loops(X, Y, out, tX, tY)
+    elif tX and tY:
+        np.dot(X.T, Y.T, out)
+    elif tX:
+        np.dot(X.T, Y, out)
+    elif tY:
+        np.dot(X, Y.T, out)
+    else:
+        np.dot(X, Y, out)
+
+
+def _mm_mixed(X, Y, out, tX=False, tY=False):
+    _mm_loops(X, Y, out, tX, tY)
+
+
+@overload(_mm)
+def _mm_overload(X, Y, out, tX=False, tY=False):
+    """gemm (from :data:`_BLAS_MIN` on) for operands of ``out``'s dtype, loops otherwise (chosen when typed)."""
+    return _mm_gemm if X.dtype == Y.dtype == out.dtype else _mm_mixed
+
+
+@numba.njit(cache=True)
+def _add_into(out, X):
+    """``out += X`` for (m, m) arrays (explicit loops: Numba's in-place array expression on views costs more
+    than the sum at these sizes)."""
+    for i in range(out.shape[0]):
+        for j in range(out.shape[1]):
+            out[i, j] += X[i, j]
 
 
 @numba.njit(cache=True)
@@ -163,47 +208,53 @@ def _grow(buf, n_steps):
 
 @numba.njit(cache=True)
 def _doubling_step(alpha, gamma, alpha_new, gamma_new, work):
-    """``gamma_new = gamma + (alpha gamma) alpha^T``, ``alpha_new = alpha alpha`` (the user's association)."""
+    """``gamma_new = gamma + (alpha gamma) alpha^T``, ``alpha_new = alpha alpha`` (the user's association);
+    ``work`` receives ``alpha gamma`` (kept for the adjoint)."""
     _mm(alpha, gamma, work)
     _mm(work, alpha, gamma_new, tY=True)
-    gamma_new += gamma
+    _add_into(gamma_new, gamma)
     _mm(alpha, alpha, alpha_new)
 
 
 @numba.njit(cache=True)
-def _doubling_step_vjp(alpha, gamma, Ga, Gg, Ga_out, Gg_out, P, W):
-    """Cotangents of (alpha, gamma) before a step from those after it (module docstring)."""
+def _doubling_step_vjp(alpha, gamma, alpha_gamma, Ga, Gg, Ga_out, Gg_out, P, W):
+    """Cotangents of (alpha, gamma) before a step from those after it (module docstring);
+    ``alpha_gamma`` is the step's ``alpha gamma``."""
     _mm(Gg, alpha, P)                                 # P = Gg alpha
     _mm(alpha, P, Gg_out, tX=True)                    # Gg_out = Gg + alpha^T Gg alpha
-    Gg_out += Gg
+    _add_into(Gg_out, Gg)
     _mm(Ga, alpha, Ga_out, tY=True)                   # Ga_out = Ga alpha^T + alpha^T Ga   (alpha alpha)
-    _mm(alpha, Ga, Ga_out, tX=True, accumulate=True)
-    _mm(P, gamma, Ga_out, tY=True, accumulate=True)   #        + Gg alpha gamma^T          (alpha gamma alpha^T)
-    _mm(alpha, gamma, W)
-    _mm(Gg, W, Ga_out, tX=True, accumulate=True)      #        + Gg^T alpha gamma
+    _mm(alpha, Ga, W, tX=True)
+    _add_into(Ga_out, W)
+    _mm(P, gamma, W, tY=True)                         #        + Gg alpha gamma^T          (alpha gamma alpha^T)
+    _add_into(Ga_out, W)
+    _mm(Gg, alpha_gamma, W, tX=True)                  #        + Gg^T alpha gamma
+    _add_into(Ga_out, W)
 
 
 @numba.njit(cache=True)
 def _doubling_run(A, Q, tol, n_steps, stop, keep):
-    """Run the doubling loop: (alphas, gammas, steps run), iterate ``k`` in slot ``_slot(k, keep)``."""
+    """Run the doubling loop: (alphas, gammas, alpha_gammas, steps run), iterate ``k`` in slot
+    ``_slot(k, keep)``; with ``keep``, ``alpha_gammas[k]`` is step ``k``'s ``alpha_k gamma_k``."""
     m = A.shape[0]
     n_steps = max(n_steps, 0)
     alphas = _buffer(n_steps, keep, m, A.dtype)
     gammas = _buffer(n_steps, keep, m, Q.dtype)
+    works = _buffer(n_steps, keep, m, Q.dtype)
     alphas[0] = A
     gammas[0] = Q
-    work = np.empty((m, m), dtype=Q.dtype)
     k = 0
     while k < n_steps:
         if keep and k + 1 == alphas.shape[0]:
             alphas = _grow(alphas, n_steps)
             gammas = _grow(gammas, n_steps)
+            works = _grow(works, n_steps)
         old, new = _slot(k, keep), _slot(k + 1, keep)
-        _doubling_step(alphas[old], gammas[old], alphas[new], gammas[new], work)
+        _doubling_step(alphas[old], gammas[old], alphas[new], gammas[new], works[old])
         k += 1
         if _stopped(gammas[new], gammas[old], tol, stop):
             break
-    return alphas, gammas, k
+    return alphas, gammas, works, k
 
 
 @numba.njit(cache=True)
@@ -213,7 +264,7 @@ def smith_doubling_kernel(A, Q, tol, n_steps, stop):
     ``A``: (m, m) float; ``Q``: (m, m) float of the dtype ``gamma`` takes;
     ``tol`` float64; ``n_steps`` int; ``stop`` a code of ``_STOPS``.
     """
-    alphas, gammas, n_run = _doubling_run(A, Q, tol, n_steps, stop, False)
+    alphas, gammas, _, n_run = _doubling_run(A, Q, tol, n_steps, stop, False)
     last = _slot(n_run, False)
     return alphas[last], gammas[last]
 
@@ -224,7 +275,7 @@ def smith_doubling_adjoint_kernel(A, Q, tol, n_steps, stop, Ga, Gg):
 
     Reverse pass in ``Q``'s dtype; ``A_bar`` is returned in ``A``'s.
     """
-    alphas, gammas, n_run = _doubling_run(A, Q, tol, n_steps, stop, True)
+    alphas, gammas, works, n_run = _doubling_run(A, Q, tol, n_steps, stop, True)
     m = A.shape[0]
     Ga_k = Ga.astype(Q.dtype)
     Gg_k = Gg.astype(Q.dtype)
@@ -233,7 +284,7 @@ def smith_doubling_adjoint_kernel(A, Q, tol, n_steps, stop, Ga, Gg):
     P = np.empty((m, m), dtype=Q.dtype)
     W = np.empty((m, m), dtype=Q.dtype)
     for k in range(n_run - 1, -1, -1):
-        _doubling_step_vjp(alphas[k], gammas[k], Ga_k, Gg_k, Ga_prev, Gg_prev, P, W)
+        _doubling_step_vjp(alphas[k], gammas[k], works[k], Ga_k, Gg_k, Ga_prev, Gg_prev, P, W)
         Ga_k, Ga_prev = Ga_prev, Ga_k
         Gg_k, Gg_prev = Gg_prev, Gg_k
     return Ga_k.astype(A.dtype), Gg_k
@@ -243,55 +294,61 @@ def smith_doubling_adjoint_kernel(A, Q, tol, n_steps, stop, Ga, Gg):
 
 
 @numba.njit(cache=True)
-def _fixed_point_step(A, Q, X, X_new, work):
-    """``X_new = (A X) A^T + Q`` (the user's association)."""
+def _fixed_point_step(A, At, Q, X, X_new, work):
+    """``X_new = (A X) A^T + Q`` (the user's association; ``At`` is ``A^T`` laid out contiguously: gemm of a
+    plain operand is faster than of a transposed one); ``work`` receives ``A X`` (kept for the adjoint)."""
     _mm(A, X, work)
-    _mm(work, A, X_new, tY=True)
-    X_new += Q
+    _mm(work, At, X_new)
+    _add_into(X_new, Q)
 
 
 @numba.njit(cache=True)
-def _fixed_point_step_vjp(A, X, G, G_out, GA, GQ, P, W):
-    """Cotangent of ``X_k`` from that of ``X_{k+1}`` (``G``); accumulates ``GA``, ``GQ``."""
-    GQ += G                                     # Q_bar  += G
-    _mm(G, A, P)                                # P = G A
-    _mm(A, P, G_out, tX=True)                   # G_out = A^T G A
-    _mm(P, X, GA, tY=True, accumulate=True)     # A_bar  += G A X^T
-    _mm(A, X, W)
-    _mm(G, W, GA, tX=True, accumulate=True)     #         + G^T A X
+def _fixed_point_step_vjp(A, X, AX, G, G_out, GA, GQ, PT, W):
+    """Cotangent of ``X_k`` from that of ``X_{k+1}`` (``G``); accumulates ``GA``, ``GQ``.  ``AX`` is the
+    step's ``A X_k``.  Products as ``op(U)^T op(V)^T``, which gemm runs faster than ``U V^T``."""
+    _add_into(GQ, G)                                     # Q_bar  += G
+    _mm(A, G, PT, tX=True, tY=True)             # PT = (G A)^T = A^T G^T
+    _mm(A, PT, G_out, tX=True, tY=True)         # G_out = A^T (G A) = A^T G A
+    _mm(PT, X, W, tX=True, tY=True)             # A_bar  += (G A) X^T
+    _add_into(GA, W)
+    _mm(G, AX, W, tX=True)                      #         + G^T A X
+    _add_into(GA, W)
 
 
 @numba.njit(cache=True)
 def _fixed_point_run(A, Q, X0, tol, n_steps, stop, keep):
-    """Run the fixed-point loop: (Xs, steps run), iterate ``k`` in slot ``_slot(k, keep)``."""
+    """Run the fixed-point loop: (Xs, AXs, steps run), iterate ``k`` in slot ``_slot(k, keep)``; with
+    ``keep``, ``AXs[k]`` is step ``k``'s ``A X_k``."""
     m = A.shape[0]
     n_steps = max(n_steps, 0)
     Xs = _buffer(n_steps, keep, m, X0.dtype)
+    AXs = _buffer(n_steps, keep, m, X0.dtype)
     Xs[0] = X0
-    work = np.empty((m, m), dtype=X0.dtype)
+    At = np.ascontiguousarray(A.T)
     k = 0
     while k < n_steps:
         if keep and k + 1 == Xs.shape[0]:
             Xs = _grow(Xs, n_steps)
+            AXs = _grow(AXs, n_steps)
         old, new = _slot(k, keep), _slot(k + 1, keep)
-        _fixed_point_step(A, Q, Xs[old], Xs[new], work)
+        _fixed_point_step(A, At, Q, Xs[old], Xs[new], AXs[old])
         k += 1
         if _stopped(Xs[new], Xs[old], tol, stop):
             break
-    return Xs, k
+    return Xs, AXs, k
 
 
 @numba.njit(cache=True)
 def lyapunov_fixed_point_kernel(A, Q, X0, tol, n_steps, stop):
     """Final ``X`` of the fixed-point loop for one (m, m) system (all three of one float dtype)."""
-    Xs, n_run = _fixed_point_run(A, Q, X0, tol, n_steps, stop, False)
+    Xs, _, n_run = _fixed_point_run(A, Q, X0, tol, n_steps, stop, False)
     return Xs[_slot(n_run, False)]
 
 
 @numba.njit(cache=True)
 def lyapunov_fixed_point_adjoint_kernel(A, Q, X0, tol, n_steps, stop, G):
     """``(A_bar, Q_bar, X0_bar)`` from the cotangent ``G`` of the final ``X``."""
-    Xs, n_run = _fixed_point_run(A, Q, X0, tol, n_steps, stop, True)
+    Xs, AXs, n_run = _fixed_point_run(A, Q, X0, tol, n_steps, stop, True)
     m = A.shape[0]
     G_k = G.astype(X0.dtype)
     G_prev = np.empty_like(G_k)
@@ -300,7 +357,7 @@ def lyapunov_fixed_point_adjoint_kernel(A, Q, X0, tol, n_steps, stop, G):
     P = np.empty((m, m), dtype=X0.dtype)
     W = np.empty((m, m), dtype=X0.dtype)
     for k in range(n_run - 1, -1, -1):
-        _fixed_point_step_vjp(A, Xs[k], G_k, G_prev, GA, GQ, P, W)
+        _fixed_point_step_vjp(A, Xs[k], AXs[k], G_k, G_prev, GA, GQ, P, W)
         G_k, G_prev = G_prev, G_k
     return GA, GQ, G_k
 
