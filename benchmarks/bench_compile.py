@@ -29,7 +29,19 @@ further costs more than it saves: with every stage inlined the filter's LLVM tim
 Numba's inliner and lowering rose to 13.6 s, and inlining ``_steady_adjoint_run`` into the adjoint
 took it from 34 to 61 CPU s.  ``NUMBA_OPT=1`` cut filter + adjoint by a quarter but ran the exact
 (non-steady) path 8% slower; no loop vectorisation (``NUMBA_LOOP_VECTORIZE=0``) saved 5% on the
-Lyapunov kernel.  The one-off compile is shown to the user (one line on stderr) and can be paid
+Lyapunov kernel.  Tried and left out: one compiled ``matmul``/``mm`` per dtype (explicit
+signatures over 2-D arrays of layout ``A``, ``alpha``/``beta`` always passed; C-contiguous arrays,
+column blocks ``K[:, :k]`` and transposed views all convert to it).  Dispatcher signatures for a
+Kalman filter + gradient fell from 49 to 43 (``matmul`` 9 -> 2, one per dtype), its cold process
+CPU from 53.6 to 47.3 s side by side (56 -> 48 against the table below; the ``matmul``/``mm`` signatures then compile at import: import CPU 1 -> 4 s;
+smoother 25.8 -> 24.1, Nile demo 62.8 -> 57.3, Lyapunov 10.1 -> 10.9), but steady state ran slower
+(CPU time per call, best of two runs each, old and new processes alternated): Kalman m=4 gradient
+1.10x, m=20 forward 1.07x, Lyapunov n=30 solve and gradient 1.21x, m=4 forward unchanged.  The
+layout-generic loops index with run-time strides and no longer specialise on constant
+``alpha``/``beta``; a version that keeps a C-contiguous fast path inside the single signature is
+the next thing to try.  Replacing the adjoint's one array ``+=`` by a loop changed nothing
+measurable.
+The one-off compile is shown to the user (one line on stderr) and can be paid
 ahead of time with ``python -m iterops.warmup``.
 """
 
