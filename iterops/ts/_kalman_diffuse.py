@@ -47,6 +47,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
+from iterops.ts._kalman_filter import _fail_from
 from iterops.ts._kalman_steps import LOG_2PI, fully_observed, missing, system_at
 
 __all__ = ["DIFFUSE_TOL", "DiffuseOutputs", "diffuse_outputs", "diffuse_filter", "diffuse_adjoint"]
@@ -367,18 +368,6 @@ def _multivariate_forecast_vjp(yt, a, P, st, gst, options, gv, gF, gy, a_bar, P_
                     for j in range(p):
                         s += Zt[i, k] * gF[i, j] * Zt[j, l]
                 P_bar[k, l] += s
-
-
-@numba.njit(cache=True)
-def _fail_from(out, t):
-    out.loglik_obs[t] = -np.inf
-    out.loglik_obs[t + 1:] = np.nan
-    out.filtered_state[t:] = np.nan
-    out.filtered_cov[t:] = np.nan
-    out.predicted_state[t + 1:] = np.nan
-    out.predicted_cov[t + 1:] = np.nan
-    out.forecast_error[t + 1:] = np.nan
-    out.forecast_error_cov[t + 1:] = np.nan
 
 
 @numba.njit(cache=True)
