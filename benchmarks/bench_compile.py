@@ -1,12 +1,18 @@
-"""Compile time a new user meets: each kernel family cold (fresh Numba cache) and warm (new graph).
+"""Compile time a new user meets: each kernel family cold (fresh caches) and warm (caches filled).
 
     scripts/dev bench --cold           # runs this module and writes its section into RESULTS.md
     scripts/dev bench --cold --quick   # the same without the demo models' Scan versions (minutes each)
 
-Every measurement runs in its own subprocess with a fresh PyTensor ``compiledir`` (so the graph is
-new to PyTensor too) and either a fresh, empty ``NUMBA_CACHE_DIR`` (**cold**: the first use of
-iterops on a machine) or the cache the cold run just filled (**warm**: a new graph in a new process,
-kernels cached).  Reported: CPU seconds of the whole subprocess (``resource.getrusage(RUSAGE_CHILDREN)``:
+Every measurement runs in its own subprocess with a fresh PyTensor ``compiledir`` and either fresh,
+empty caches (**cold**: the first use of iterops on a machine) or the caches the cold run just filled
+(**warm**: a new process, kernels cached).  The caches are Numba's (``NUMBA_CACHE_DIR``) *and*
+PyTensor's own (``base_compiledir``: PyTensor caches the functions it generates for a graph and for
+each Op, with every kernel they call linked in, under ``base_compiledir/numba``).  Until 2026-12-01
+only the first was fresh and PyTensor's was the machine-wide ``~/.pytensor``: its content depended on
+what had run before (PyTensor's own ``Dot`` wrappers were usually there already, a graph of the same
+sources too), so the "cold" rows were partly warm and not reproducible; they are higher now.  Warm
+compiles the same graph again in a new process, so PyTensor finds its graph function cached (as it
+did before, from ``~/.pytensor``): it measures loading, not compiling a graph PyTensor has not seen.  Reported: CPU seconds of the whole subprocess (``resource.getrusage(RUSAGE_CHILDREN)``:
 imports included; the meaningful number on a shared, loaded machine), CPU and wall seconds of the
 compile itself (graph building, ``pytensor.function`` and the first call), and the machine's load.
 The demo's models are measured the same way, iterops against the Scan version (``iterops.demo``;
@@ -41,6 +47,46 @@ layout-generic loops index with run-time strides and no longer specialise on con
 ``alpha``/``beta``; a version that keeps a C-contiguous fast path inside the single signature is
 the next thing to try.  Replacing the adjoint's one array ``+=`` by a loop changed nothing
 measurable.
+
+Issue 16, second pass (2026-12-01 evening; machine shared by five sessions, 1-minute load 5-9 on 2
+cores: CPU seconds were about twice a quiet machine's, imports 1.8-2.2 CPU s against 1.0, so every
+figure here is a side-by-side pair, the previous code in /tmp against this one in alternating fresh
+processes, cold caches; per code library as above).
+
+* Lyapunov (kept): the Schur fallback was half of ``_lyapunov_abi`` (LAPACK's complex Schur wrapper
+  and complex products: 9.2 of 17.3 CPU s) and is needed only when doubling fails.  It now sits in a
+  C-ABI function of its own, compiled the first time an input needs it
+  (:class:`iterops._fused.LazyKernel`: the caller loads the address from a data symbol whose initial
+  target is a ctypes trampoline that compiles the cfunc, stores its address and forwards the call;
+  the same machine code and results, cacheable callers, callable from threads without the GIL).
+  ``_lyapunov_abi`` cold 17.3 -> 8.7 CPU s; the benchmark's solver + gradient with every cache
+  fresh, 31.5 -> 22.0 compile CPU s.  Of those 22: the ABI 8.7, PyTensor's part of the graph 12.6
+  (its ``Dot`` wrappers and gemm for the four products of the residual's autodiff 5.6, the graph
+  function 3.2 + 2.8 LLVM, our entry point in two layouts and PyTensor's cached wrapper of it ~3),
+  so ``<= 5`` on a quiet machine is met by the kernel (~4.4) but not by the graph with PyTensor's
+  caches empty.  A real Schur form (quasi-triangular, real arithmetic) was not needed for the target
+  once the fallback is lazy, and was not written.
+* DARE (kept): ``_dare_abi`` cold 40.1 -> 16.4 CPU s by loops instead of array expressions and
+  slice assignments (``rhs[:, :n] = A_k`` alone compiled Numba's shape-mismatch message, 5.7 s; each
+  array expression compiles a ufunc loop), 14.2 with the single-use stages ``inline="always"``
+  (LLVM 26.2 -> 5.3 s).  Same arithmetic in the same order, so the same results.
+* block_diag, Toeplitz, Levinson-Durbin, AR maps (kept): kernels ``inline="always"`` into their
+  entry points, finiteness checks and the AR step-down's row copies by loops: 91.6 -> 85.3 compile
+  CPU s side by side.  Most of that case is PyTensor's own graph (its sums: 32 s with a quicksort,
+  ``Alloc``/``set_subtensor``/``inc_subtensor``, ``Convolve1d`` in the gradients, the graph function
+  itself 18 + 15 LLVM), not iterops' kernels.
+* Tried and left out: entry points ``inline="always"`` into PyTensor's cached per-Op wrapper (one code
+  library less per Op) from ``register_fused_op``: PyTensor's wrapper calls them as
+  ``jitable_func(*args)`` and Numba cannot inline a call with ``*args`` ("Calling a closure with
+  *args is unsupported").  Compiling the package's jitted helpers without CPython/cfunc wrappers
+  (``no_cpython_wrapper``, ``no_cfunc_wrapper``: they are only called from jitted code; PyTensor does
+  this for its own non-final functions): ``_lyapunov_abi`` 8.9 -> 8.0 CPU s; not measured on the
+  Kalman kernels (122.9 CPU s for filter + adjoint ABIs with every cache fresh) before the deadline,
+  and it would make the helpers uncallable from Python, so it is the next thing to measure.
+* Kalman: no change this session (another engineer owns its modules; the generic changes above do
+  not reach its kernels).  With every cache fresh, the filter + adjoint C-ABI functions alone took
+  122.9 CPU s at load ~7 and the benchmark's filter + gradient 129.7: the 15 s target needs the
+  kernels themselves smaller (Numba's typing and lowering, ~55 code libraries), not the machinery.
 The one-off compile is shown to the user (one line on stderr) and can be paid
 ahead of time with ``python -m iterops.warmup``.
 """
@@ -130,10 +176,16 @@ MODEL_CASES = {f"demo {m} model, logp + dlogp ({impl})": (m, impl) for m in ("ni
 
 
 def _run(code: str, numba_dir: str) -> dict:
-    """Run ``code`` in a fresh subprocess; its CPU (RUSAGE_CHILDREN), the compile's CPU and wall."""
+    """Run ``code`` in a fresh subprocess; its CPU (RUSAGE_CHILDREN), the compile's CPU and wall.
+
+    ``numba_dir`` holds both caches: Numba's (``NUMBA_CACHE_DIR``: iterops' kernels, PyTensor's
+    jitted helpers) and PyTensor's own (``base_compiledir``, whose ``numba/`` folder caches the
+    graph functions PyTensor generates, with every kernel they call linked in).  The compiledir
+    is fresh for every run."""
     with tempfile.TemporaryDirectory(prefix="iterops-pytensor-") as compiledir:
         env = dict(os.environ, NUMBA_CACHE_DIR=numba_dir,
-                   PYTENSOR_FLAGS=f"compiledir={compiledir}," + os.environ.get("PYTENSOR_FLAGS", ""))
+                   PYTENSOR_FLAGS=f"base_compiledir={numba_dir}/pytensor,compiledir={compiledir},"
+                   + os.environ.get("PYTENSOR_FLAGS", ""))
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         proc = subprocess.run([sys.executable, "-c", _PRELUDE + textwrap.dedent(code) + _REPORT], cwd=ROOT, env=env,
                               capture_output=True, text=True)
@@ -152,8 +204,8 @@ def run(quick: bool = False) -> list[Section]:
         title="Compile time: cold (first use on a machine) and warm (a new graph, kernels cached)",
         columns=["graph", "cold: process CPU (s)", "cold: compile CPU (s)", "cold: compile wall (s)",
                  "warm: process CPU (s)", "warm: compile CPU (s)", "warm: compile wall (s)", "cold target (CPU s)"],
-        notes=("Each cell: a fresh subprocess with a fresh PyTensor compiledir; cold = empty `NUMBA_CACHE_DIR`, "
-               "warm = the cache the cold run filled. Process CPU (`getrusage(RUSAGE_CHILDREN)`) includes "
+        notes=("Each cell: a fresh subprocess with a fresh PyTensor compiledir; cold = empty `NUMBA_CACHE_DIR` and "
+               "PyTensor `base_compiledir` (PyTensor's own Numba cache), warm = the caches the cold run filled. Process CPU (`getrusage(RUSAGE_CHILDREN)`) includes "
                "~{imp:.0f} CPU s of imports; compile = graph building + `pytensor.function` + first call. "
                "CPU seconds are the comparable number on this shared machine (1-minute load average at the "
                f"start: {load:.1f} on {os.cpu_count()} cores). Regenerate: `scripts/dev bench --cold`."),

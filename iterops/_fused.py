@@ -36,17 +36,21 @@ object, by :func:`entry_point` and by :class:`FusedOp`'s ``__eq__``/``__hash__``
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
 import sys
+import threading
 from functools import cache, wraps
 from pathlib import Path
 
 import llvmlite.binding
 import numba
 import numpy as np
+from llvmlite import ir
 from numba.core.caching import CacheImpl, _CacheLocator
+from numba.core.typing.ctypes_utils import to_ctypes
 from numba.extending import intrinsic
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
@@ -56,7 +60,7 @@ from pytensor.tensor.utils import _parse_gufunc_signature
 
 __all__ = [
     "FusedOp", "apply_batched", "register_fused_op", "entry_point", "data_ptr", "keep_alive", "F64P", "OpaqueKernel",
-    "opaque_kernel", "PACKAGE_DIGEST", "KERNEL_SOURCES", "PackageCacheLocator", "OPAQUE_KERNELS",
+    "opaque_kernel", "LazyKernel", "PACKAGE_DIGEST", "KERNEL_SOURCES", "PackageCacheLocator", "OPAQUE_KERNELS",
 ]
 
 #: ``double*`` in a ``numba.cfunc`` signature (see :func:`data_ptr`).
@@ -223,6 +227,10 @@ class OpaqueKernel:
         cfunc.enable_caching()
         return cfunc
 
+    def compile(self) -> None:
+        """Compile the kernel now (or load it from the on-disk cache) and register it."""
+        self.external  # noqa: B018
+
     def is_cached(self) -> bool:
         """Whether Numba's on-disk cache holds this kernel's machine code for the current sources
         (then loading it takes milliseconds; otherwise the first use compiles it)."""
@@ -263,6 +271,84 @@ def _register_opaque(kernel: OpaqueKernel):
     cfunc.compile()
     llvmlite.binding.add_symbol(kernel.symbol, cfunc.address)
     return numba.types.ExternalFunction(kernel.symbol, kernel.signature)
+
+
+class LazyKernel(OpaqueKernel):
+    """An :class:`OpaqueKernel` compiled when it is first *called*, not when code calling it compiles.
+
+    For a rarely needed path of a kernel (the Lyapunov solver's Schur fallback, taken only when
+    the doubling iteration fails): code that calls it compiles no faster or slower than code
+    calling an :class:`OpaqueKernel`, but nobody pays the fallback's own compile until some input
+    needs it.  Results are those of the same function behind an :class:`OpaqueKernel`.
+
+    Mechanism: :attr:`external` is an intrinsic that loads the kernel's address from a
+    pointer-sized cell, an external *data* symbol named after :data:`PACKAGE_DIGEST` (so the
+    calling code stays cacheable on disk, like a call through an :class:`OpaqueKernel` symbol),
+    and calls it.  The cell starts out holding a ctypes callback: the first call runs it, it
+    compiles the ``numba.cfunc`` (or loads it from the on-disk cache, announced like any first
+    compile), writes the cfunc's address into the cell and forwards the call; every later call
+    goes straight to the machine code.  The callback takes the GIL (ctypes does), so a first call
+    from a thread that does not hold it (nutpie's) works too; if compiling fails the callback
+    returns 0, which a caller must treat as failure (a kernel's "not solved": NaN, never a crash).
+    Only pointer, integer and float arguments and an integer result are supported.
+    """
+
+    def __init__(self, signature, pyfunc, tag: str = ""):
+        super().__init__(signature, pyfunc, tag)
+        self._lock = threading.Lock()
+        self._compiled = None
+        c_args = [ctypes.c_void_p if isinstance(a, numba.types.CPointer) else to_ctypes(a) for a in signature.args]
+        self._c_type = ctypes.CFUNCTYPE(to_ctypes(signature.return_type), *c_args)
+        self._trampoline = self._c_type(self._first_call)  # kept alive with the kernel
+        self._cell = ctypes.c_void_p(ctypes.cast(self._trampoline, ctypes.c_void_p).value)
+        self.cell_symbol = self.symbol + "_cell"
+        llvmlite.binding.add_symbol(self.cell_symbol, ctypes.addressof(self._cell))
+        self._external = _indirect_call(self.cell_symbol, signature)
+
+    @property
+    def external(self):
+        return self._external
+
+    def compile(self) -> None:
+        with self._lock:
+            if self._compiled is None:
+                cfunc = self._cfunc()
+                if not self.is_cached():
+                    _say_first_compile(self)
+                cfunc.compile()
+                self._compiled = (cfunc, self._c_type(cfunc.address))
+                self._cell.value = cfunc.address
+
+    def _first_call(self, *args):
+        try:
+            self.compile()
+        except Exception:  # failure is a value: the caller reads 0 as "not solved"
+            _log.exception("iterops: compiling %s failed", self.name)
+            return 0
+        return self._compiled[1](*args)
+
+
+def _indirect_call(cell_symbol: str, signature):
+    """An intrinsic ``f(*args)`` calling, with the C ABI and ``signature``, the function whose
+    address is stored at the external data symbol ``cell_symbol``."""
+    params = ", ".join(f"a{i}" for i in range(len(signature.args)))
+
+    def codegen(context, builder, sig, args):
+        mod = builder.module
+        fnty = ir.FunctionType(context.get_value_type(signature.return_type),
+                               [context.get_value_type(a) for a in signature.args])
+        cell = mod.globals.get(cell_symbol)
+        if cell is None:
+            cell = ir.GlobalVariable(mod, fnty.as_pointer(), name=cell_symbol)
+            cell.linkage = "external"
+        return builder.call(builder.load(cell), args)
+
+    def typer(typingctx, *argtys):
+        return signature, codegen
+
+    namespace = {"typer": typer}
+    exec(f"def call(typingctx, {params}):\n    return typer(typingctx, {params})", namespace)
+    return intrinsic(namespace["call"])
 
 
 def opaque_kernel(signature):

@@ -10,7 +10,8 @@ with it, deployments (CI images, cluster nodes, ``scripts/dev setup``) pay it on
 every later process finds the kernels cached: a new graph then compiles in about a second.
 
 Two steps: every C-ABI kernel (:data:`iterops._fused.OPAQUE_KERNELS`: the Kalman filter, its
-adjoint and smoother, the Lyapunov solvers and iterations), then one small graph per public
+adjoint and smoother, the Lyapunov solvers and iterations, and the kernels otherwise compiled on
+their first call, :class:`iterops._fused.LazyKernel`, such as the Lyapunov Schur fallback), then one small graph per public
 function with its gradient, run once in PyTensor's default (Numba) mode, which compiles and caches
 the directly-called kernels (Levinson, block-diagonal, Toeplitz, AR maps) and their helpers.
 Running it again is cheap: everything loads from the cache.
@@ -36,7 +37,7 @@ def warm_kernels(all_dtypes: bool = False, log=print) -> list[tuple[str, float, 
             continue
         cached = kernel.is_cached()
         t0 = time.perf_counter()
-        kernel.external  # noqa: B018  (compiles, or loads from the cache, and registers the symbol)
+        kernel.compile()  # or loads it from the cache, and registers it (also a LazyKernel's: it compiles on first use)
         dt = time.perf_counter() - t0
         done.append((kernel.name, dt, cached))
         log(f"  {kernel.name}: {'loaded from cache' if cached else 'compiled'} in {dt:.1f} s")

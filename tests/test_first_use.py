@@ -5,6 +5,9 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+import iterops
 
 _KERNELS = '''
 import numba
@@ -37,8 +40,13 @@ print("cached after:", TWICE.is_cached(), THRICE.is_cached())
 '''
 
 
+def _pythonpath(tmp_path):
+    """``tmp_path`` first, then the iterops under test (a worktree's, not only the installed one)."""
+    return os.pathsep.join([str(tmp_path), str(Path(iterops.__file__).resolve().parents[1])])
+
+
 def _run(tmp_path):
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(tmp_path)}
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": _pythonpath(tmp_path)}
     out = subprocess.run([sys.executable, "-c", _RUN], env=env, capture_output=True, text=True, timeout=600,
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -91,3 +99,62 @@ def test_lyapunov_kernel_compiles_once_inside_its_c_abi_function(tmp_path):
     assert "kernel signatures: 0" in out.stdout
     assert "_relative_residual" in compiled and "_doubling" in compiled  # it did compile cold
     assert not any("raise_with_shape_context" in name for name in compiled), compiled
+    assert "_schur" not in compiled and not any("complex_schur" in name for name in compiled), compiled  # first use
+
+
+_LAZY_KERNELS = '''
+import numba
+from iterops._fused import F64P, LazyKernel
+
+def _scale(x, out, n, a):
+    xs, o = numba.carray(x, (n,)), numba.carray(out, (n,))
+    for i in range(n):
+        o[i] = a * xs[i]
+    return n
+
+SCALE = LazyKernel(numba.types.int64(F64P, F64P, numba.types.int64, numba.types.float64), _scale)
+'''
+
+_LAZY_RUN = '''
+import threading
+import numba
+import numpy as np
+from iterops._fused import data_ptr, keep_alive
+from lazy_kernels import SCALE
+
+scale = SCALE.external
+
+@numba.njit(nogil=True)
+def call(x, a):
+    out = np.empty_like(x)
+    r = scale(data_ptr(x), data_ptr(out), x.size, a)
+    keep_alive((x, out))
+    return out, r
+
+call.compile("(float64[::1], float64)")
+print("compiled with the caller:", SCALE._compiled is not None, "cached:", SCALE.is_cached())
+res = {}
+threads = [threading.Thread(target=lambda k=k: res.__setitem__(k, call(np.arange(3.0), float(k)))) for k in range(3)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print("values:", all(np.array_equal(res[k][0], k * np.arange(3.0)) and res[k][1] == 3 for k in range(3)))
+print("compiled after the call:", SCALE._compiled is not None, "cached:", SCALE.is_cached())
+'''
+
+
+def test_lazy_kernel_compiles_on_its_first_call_from_any_thread(tmp_path):
+    """:class:`iterops._fused.LazyKernel` (the Lyapunov solver's Schur fallback): compiling a caller
+    does not compile it; its first call does (announced once, then cached), from threads that do not
+    hold the GIL too; a new process loads it from the cache on its first call, silently."""
+    (tmp_path / "lazy_kernels.py").write_text(textwrap.dedent(_LAZY_KERNELS))
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": _pythonpath(tmp_path)}
+    for first in (True, False):
+        out = subprocess.run([sys.executable, "-c", _LAZY_RUN], env=env, capture_output=True, text=True,
+                             timeout=600, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert f"compiled with the caller: False cached: {not first}" in out.stdout
+        assert "values: True" in out.stdout and "compiled after the call: True cached: True" in out.stdout
+        said = [line for line in out.stderr.splitlines() if line.startswith("iterops:")]
+        assert len(said) == (1 if first else 0), said

@@ -34,7 +34,7 @@ from iterops._validate import as_tensor
 __all__ = ["block_diag", "BlockDiag", "block_diag_kernel"]
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def block_diag_kernel(x, out):
     """Write the blocks ``x[i]`` (k, n, m) onto the diagonal of zeroed ``out`` (k n, k m)."""
     k, n, m = x.shape

@@ -34,6 +34,12 @@ Methods
     Doubling, accepted if it converged within ``max_iter`` iterations and its
     relative residual is below ``100 * eps``; otherwise the Schur method.
 
+Compile time: the Schur method (LAPACK's complex Schur wrapper, complex
+products) is half of the solver's machine code and most inputs never need it,
+so it sits in a C-ABI function of its own that is compiled the first time an
+input needs it (:class:`iterops._fused.LazyKernel`): same machine code, same
+results, paid only by a model that reaches the fallback.
+
 Failure is a value: non-finite input, an (almost) singular equation
 (``|lambda_i conj(lambda_j) - 1| < 1e3 * eps``), or non-convergence give an
 all-NaN ``X`` (``on_failure="nan"``, the default, so that a sampler rejects
@@ -69,7 +75,7 @@ from pytensor.link.numba.dispatch.linalg.decomposition.schur import schur_comple
 from pytensor.tensor.variable import TensorVariable
 
 from iterops._fused import (
-    F64P, FusedOp, OpaqueKernel, apply_batched, data_ptr, entry_point, keep_alive, register_fused_op,
+    F64P, FusedOp, LazyKernel, OpaqueKernel, apply_batched, data_ptr, entry_point, keep_alive, register_fused_op,
 )
 from iterops._implicit import implicit_pullback, implicit_pushforward
 from iterops._linalg_kernels import copy_into, mm
@@ -189,6 +195,49 @@ def _as_dtype_of_impl(Z, like):
     return lambda Z, like: Z.real
 
 
+def _schur_abi(A, Q, X, n):
+    """C-ABI Schur solve (:func:`_schur`) for :class:`iterops._fused.LazyKernel`: writes ``X`` (the
+    real part for a real ``A``; all-NaN on failure), returns 1 if solved and finite."""
+    Xo = numba.carray(X, (n, n))
+    Xs, ok = _schur(numba.carray(A, (n, n)), numba.carray(Q, (n, n)))
+    if ok:
+        copy_into(_as_dtype_of(Xs, Xo), Xo)
+        ok = _all_finite(Xo)
+    if not ok:
+        for i in range(n):
+            for j in range(n):
+                Xo[i, j] = np.nan
+    return 1 if ok else 0
+
+
+#: The Schur fallback, compiled when an input first needs it (most models never do: the doubling
+#: iteration solves every stable ``A`` not too close to the unit circle), one per working dtype.
+_SCHUR_ABI = {
+    name: LazyKernel(types.int64(ptr, ptr, ptr, types.int64), _schur_abi, tag=name)
+    for name, ptr in (("float64", F64P), ("complex128", types.CPointer(types.complex128)))
+}
+
+
+def _schur_solve(A, Q):
+    """``(X, ok)`` of the Schur method for C-contiguous (n, n) ``A``, ``Q`` (jitted code only),
+    through :data:`_SCHUR_ABI`."""
+    raise NotImplementedError
+
+
+@overload(_schur_solve)
+def _schur_solve_impl(A, Q):
+    abi = _SCHUR_ABI[str(A.dtype)].external
+
+    def impl(A, Q):
+        n = A.shape[0]
+        X = np.empty((n, n), dtype=A.dtype)
+        ok = abi(data_ptr(A), data_ptr(Q), data_ptr(X), n) == 1
+        keep_alive((A, Q, X))
+        return X, ok
+
+    return impl
+
+
 @numba.njit(cache=True)
 def _relative_residual(A, Q, X):
     """``max|A X A^H - X + Q| / (max|A|^2 max|X| + max|X| + max|Q|)`` (loops: no array expression)."""
@@ -208,7 +257,7 @@ def _relative_residual(A, Q, X):
 def lyapunov_kernel(A, Q, method, tol, max_iter):
     """Solve ``A X A^H - X + Q = 0`` for one (n, n) system.
 
-    ``A``, ``Q``: float64 or complex128 (same dtype), shape (n, n).
+    ``A``, ``Q``: float64 or complex128 (same dtype), shape (n, n), C-contiguous.
     ``method``: 0 auto, 1 doubling, 2 schur.  ``tol <= 0`` means machine
     precision.  Returns ``(X, ok)``; ``X`` is all-NaN when ``ok`` is False.
     """
@@ -227,13 +276,7 @@ def lyapunov_kernel(A, Q, method, tol, max_iter):
             return Xd, True
         if method == 1:
             return X, False
-    Xs, ok = _schur(A, Q)
-    if not ok:
-        return X, False
-    copy_into(_as_dtype_of(Xs, X), X)
-    if not _all_finite(X):
-        return np.full((n, n), np.nan, dtype=A.dtype), False
-    return X, True
+    return _schur_solve(A, Q)
 
 
 # ---------------------------------------------------------------------------
@@ -245,7 +288,8 @@ def _lyapunov_abi(A, Q, X, n, method, tol, max_iter):
     """C-ABI barrier around :func:`lyapunov_kernel` (see :class:`iterops._fused.OpaqueKernel`):
     writes X, returns 1 if solved.  The kernel is ``inline="always"``: compiled once, here (a kernel
     compiled on its own would be optimized and compiled to machine code twice, once more in this
-    function that links it)."""
+    function that links it).  Its Schur fallback is a call into :data:`_SCHUR_ABI`, compiled on
+    first use."""
     Xs, ok = lyapunov_kernel(numba.carray(A, (n, n)), numba.carray(Q, (n, n)), method, tol, max_iter)
     copy_into(Xs, numba.carray(X, (n, n)))
     return 1 if ok else 0

@@ -66,9 +66,9 @@ from iterops._fused import (
     F64P, FusedOp, OpaqueKernel, apply_batched, data_ptr, entry_point, keep_alive, register_fused_op,
 )
 from iterops._implicit import implicit_pullback, implicit_pushforward
-from iterops._linalg_kernels import copy_into, mm, sym_inplace
+from iterops._linalg_kernels import copy_into, mm, sym_inplace, sym_into
 from iterops._validate import as_tensor, check_dim_match, check_square, float_dtype
-from iterops.linalg.lyapunov import solve_discrete_lyapunov
+from iterops.linalg.lyapunov import _all_finite, _ct, solve_discrete_lyapunov
 
 __all__ = ["solve_discrete_are", "DiscreteARE", "dare_kernel"]
 
@@ -118,6 +118,19 @@ def _lu_solve(M, B):
 
 
 @numba.njit(cache=True)
+def _max_abs(M):
+    """``np.max(np.abs(M))`` for a non-empty 2-D ``M`` (NaN if any entry is), by loops."""
+    big = 0.0
+    for i in range(M.shape[0]):
+        for j in range(M.shape[1]):
+            a = np.abs(M[i, j])
+            if a != a:
+                return a
+            big = max(big, a)
+    return big
+
+
+@numba.njit(cache=True, inline="always")
 def _sda_step(Ak, Gk, Hk):
     """One doubling step ``(A_k, G_k, H_k) -> (A_{k+1}, G_{k+1}, H_{k+1}, ok)`` (module docstring)."""
     n = Ak.shape[0]
@@ -125,78 +138,108 @@ def _sda_step(Ak, Gk, Hk):
     for i in range(n):
         W[i, i] += 1.0
     rhs = np.empty((n, 2 * n))
-    rhs[:, :n] = Ak
-    rhs[:, n:] = Gk
+    for i in range(n):
+        for j in range(n):
+            rhs[i, j] = Ak[i, j]
+            rhs[i, n + j] = Gk[i, j]
     S, ok = _lu_solve(W, rhs)  # [W^{-1} A_k, W^{-1} G_k]
-    WA = np.ascontiguousarray(S[:, :n])
-    WG = np.ascontiguousarray(S[:, n:])
+    WA = np.empty((n, n))
+    WG = np.empty((n, n))
+    for i in range(n):
+        for j in range(n):
+            WA[i, j] = S[i, j]
+            WG[i, j] = S[i, n + j]
+    AkT = _ct(Ak)
     A_new = mm(Ak, WA)
-    G_new = Gk + mm(mm(Ak, WG), np.ascontiguousarray(Ak.T))
-    H_new = Hk + mm(np.ascontiguousarray(Ak.T), mm(Hk, WA))
+    G_new = mm(mm(Ak, WG), AkT)  # G_k + A_k W^{-1} G_k A_k^T
+    H_new = mm(AkT, mm(Hk, WA))  # H_k + A_k^T H_k W^{-1} A_k
+    for i in range(n):
+        for j in range(n):
+            G_new[i, j] += Gk[i, j]
+            H_new[i, j] += Hk[i, j]
     sym_inplace(G_new)
     sym_inplace(H_new)
     return A_new, G_new, H_new, ok
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _sda(A, G, H, tol, max_iter):
     """Run the doubling from ``(A, G, H)``: ``(X, converged)``."""
+    n = A.shape[0]
     Ak, Gk, Hk = A.copy(), G.copy(), H.copy()
     for _ in range(max_iter):
         Ak, Gk, H_new, ok = _sda_step(Ak, Gk, Hk)
-        if not ok or not np.all(np.isfinite(H_new)):
+        if not ok or not _all_finite(H_new):
             return H_new, False
-        change = np.max(np.abs(H_new - Hk))
+        change = 0.0  # max |H_new - H_k| (both finite)
+        for i in range(n):
+            for j in range(n):
+                change = max(change, np.abs(H_new[i, j] - Hk[i, j]))
         Hk = H_new
-        if change <= tol * np.max(np.abs(Hk)):
+        if change <= tol * _max_abs(Hk):
             return Hk, True
     return Hk, False
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _gain_and_residual(A, B, Q, R, X):
     """``(A - B K, relative residual, ok)`` for a candidate ``X``, ``K = (R + B^T X B)^{-1} B^T X A``."""
+    n, m = B.shape
     XA = mm(X, A)
     XB = mm(X, B)
-    Bt = np.ascontiguousarray(B.T)
-    M = R + mm(Bt, XB)
+    Bt = _ct(B)
+    M = mm(Bt, XB)
+    for i in range(m):
+        for j in range(m):
+            M[i, j] += R[i, j]  # R + B^T X B
     K, ok = _lu_solve(M, mm(Bt, XA))
-    At = np.ascontiguousarray(A.T)
-    Res = mm(At, XA) - mm(mm(At, XB), K) + Q - X
-    scale = np.max(np.abs(X)) + np.max(np.abs(Q)) + 1e-300
-    return A - mm(B, K), np.max(np.abs(Res)) / scale, ok
+    At = _ct(A)
+    Res = mm(At, XA)
+    AtXBK = mm(mm(At, XB), K)
+    Acl = mm(B, K)
+    for i in range(n):
+        for j in range(n):
+            Res[i, j] = Res[i, j] - AtXBK[i, j] + Q[i, j] - X[i, j]  # A^T X A - A^T X B K + Q - X
+            Acl[i, j] = A[i, j] - Acl[i, j]
+    scale = _max_abs(X) + _max_abs(Q) + 1e-300
+    return Acl, _max_abs(Res) / scale, ok
 
 
 @numba.njit(cache=True, inline="always")
 def dare_kernel(A, B, Q, R, tol, max_iter):
     """Stabilising solution of the DARE for one system; ``(X, ok)``, ``X`` all-NaN when not ok.
 
-    ``A`` (n, n), ``B`` (n, m), ``Q`` (n, n), ``R`` (m, m), float64; ``Q`` and ``R`` are
-    used through their symmetric parts.  ``tol <= 0`` means ``1e2 * eps``.
+    ``A`` (n, n), ``B`` (n, m), ``Q`` (n, n), ``R`` (m, m), float64, C-contiguous; ``Q`` and ``R``
+    are used through their symmetric parts.  ``tol <= 0`` means ``1e2 * eps``.  Loops instead of
+    array expressions and slice assignments (compile time: ``benchmarks/bench_compile.py``).
     """
     n, m = B.shape
     X = np.full((n, n), np.nan)
     if n == 0:
         return X, True
-    if not (np.all(np.isfinite(A)) and np.all(np.isfinite(B)) and np.all(np.isfinite(Q)) and np.all(np.isfinite(R))):
+    if not (_all_finite(A) and _all_finite(B) and _all_finite(Q) and _all_finite(R)):
         return X, False
     if tol <= 0.0:
         tol = 1e2 * np.finfo(np.float64).eps
-    Qs = 0.5 * (Q + Q.T)
-    Rs = 0.5 * (R + R.T)
-    RinvBt, ok = _lu_solve(Rs, np.ascontiguousarray(B.T))  # G_0 = B R^{-1} B^T
+    Qs = np.empty((n, n))
+    Rs = np.empty((m, m))
+    sym_into(Q, Qs)
+    sym_into(R, Rs)
+    RinvBt, ok = _lu_solve(Rs, _ct(B))  # G_0 = B R^{-1} B^T
     if not ok:
         return X, False
     G = mm(B, RinvBt)
     sym_inplace(G)
-    Xs, conv = _sda(np.ascontiguousarray(A), G, Qs, tol, max_iter)
+    Xs, conv = _sda(A, G, Qs, tol, max_iter)
     if not conv:
         return X, False
-    Acl, rel_res, ok = _gain_and_residual(np.ascontiguousarray(A), np.ascontiguousarray(B), Qs, Rs, Xs)
+    Acl, rel_res, ok = _gain_and_residual(A, B, Qs, Rs, Xs)
     if not ok or not (rel_res <= _MAX_RELATIVE_RESIDUAL):
         return X, False
-    if np.max(np.abs(np.linalg.eigvals(Acl.astype(np.complex128)))) >= 1.0:
-        return X, False  # converged to a solution that is not the stabilising one
+    lam = np.linalg.eigvals(Acl.astype(np.complex128))
+    for i in range(n):
+        if np.abs(lam[i]) >= 1.0:
+            return X, False  # converged to a solution that is not the stabilising one
     return Xs, True
 
 

@@ -149,7 +149,8 @@ def _step_down(phi):
     kappa = np.zeros(p)
     if p == 0:
         return kappa, A, True
-    A[p - 1, :] = phi
+    for j in range(p):  # A[p - 1, :] = phi (a slice assignment compiles Numba's shape-mismatch message)
+        A[p - 1, j] = phi[j]
     for k in range(p - 1, -1, -1):
         kap = A[k, k]
         if not (np.abs(kap) < 1.0):
@@ -189,7 +190,8 @@ def _step_down_jvp(A, phi_dot):
     kappa_dot = np.zeros(p)
     if p == 0:
         return kappa_dot, D
-    D[p - 1, :] = phi_dot
+    for j in range(p):  # D[p - 1, :] = phi_dot
+        D[p - 1, j] = phi_dot[j]
     for k in range(p - 1, -1, -1):
         kap = A[k, k]
         kd = D[k, k]
@@ -255,7 +257,7 @@ def _acov_jvp(kappa, A, gam, kappa_dot, D):
     return gd
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def pacf_to_ar_kernel(kappa):
     """AR(p) coefficients from partial autocorrelations; NaN unless all |kappa| < 1.
 
@@ -280,7 +282,7 @@ def pacf_to_ar_kernel(kappa):
     return phi
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def ar_to_pacf_kernel(phi):
     """Partial autocorrelations of a stationary AR(p); NaN if ``phi`` is not stationary."""
     kappa, A, ok = _step_down(phi)
@@ -289,7 +291,7 @@ def ar_to_pacf_kernel(phi):
     return kappa
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def ar_to_acov_kernel(phi, sigma2, nlags):
     """gamma_0..gamma_nlags of a stationary AR(p); NaN if not stationary or not finite."""
     kappa, A, ok = _step_down(phi)
@@ -298,7 +300,7 @@ def ar_to_acov_kernel(phi, sigma2, nlags):
     return _acov(kappa, A, sigma2, nlags)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def ar_derivative_kernel(fn, mode, x, v, nlags):
     """Linearizations of the three maps at ``x``; ``v`` is the (co)tangent.
 

@@ -83,7 +83,7 @@ class LevinsonDurbinResult(NamedTuple):
 # ---------------------------------------------------------------------------
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def levinson_durbin_kernel(acov, order):
     """Durbin's recursion on float64 ``acov`` (m,), m >= order + 1.
 
@@ -94,8 +94,11 @@ def levinson_durbin_kernel(acov, order):
     pacf = np.zeros(p)
     prev = np.zeros(p)
     nan = (np.full(p, np.nan), np.nan, np.full(p, np.nan))
-    if acov.shape[0] < p + 1 or not np.all(np.isfinite(acov[: p + 1])) or not acov[0] > 0.0:
+    if acov.shape[0] < p + 1 or not acov[0] > 0.0:
         return nan
+    for k in range(p + 1):  # (loops: no array expression to compile)
+        if not np.isfinite(acov[k]):
+            return nan
     v = acov[0]
     for k in range(p):  # order k + 1
         num = acov[k + 1]

@@ -68,6 +68,15 @@ __all__ = ["solve_toeplitz", "SolveToeplitz", "levinson_kernel", "toeplitz_matri
 
 
 @numba.njit(cache=True)
+def _finite(v):
+    """Every entry of the 1-D or 2-D ``v`` is finite (loops: no array expression to compile)."""
+    for idx in np.ndindex(v.shape):
+        if not np.isfinite(v[idx]):
+            return False
+    return True
+
+
+@numba.njit(cache=True, inline="always")
 def levinson_kernel(c, r, b):
     """Solve ``toeplitz(c, r) @ x = b`` for float64 ``c`` (n,), ``r`` (n,), ``b`` (n, k).
 
@@ -78,7 +87,7 @@ def levinson_kernel(c, r, b):
     x = np.zeros((n, k))
     if n == 0:
         return x
-    if not (np.all(np.isfinite(c)) and np.all(np.isfinite(r)) and np.all(np.isfinite(b))) or c[0] == 0.0:
+    if not (_finite(c) and _finite(r) and _finite(b)) or c[0] == 0.0:
         x[:] = np.nan
         return x
     f = np.zeros(n)  # forward vector, T_m f = e_1
@@ -115,7 +124,7 @@ def levinson_kernel(c, r, b):
             d = b[m, j] - eps_x
             for i in range(m + 1):
                 x[i, j] += d * g[i]
-    if not np.all(np.isfinite(x)):
+    if not _finite(x):
         x[:] = np.nan
     return x
 
