@@ -150,14 +150,18 @@ def local_level_model(y, impl="iterops"):
     return model
 
 
-def pymc_extras_local_linear_trend_model(y):
-    """pymc-extras' structural local linear trend + measurement error model of ``y`` (n, 1), as its
-    users write it (``P0 = 10 I``).  Unchanged user code: on ``import iterops`` its Kalman filter Scan
-    is replaced by :func:`iterops.ts.kalman_filter`."""
+def pymc_extras_local_linear_trend_model(y, filter_type="standard", observed_state_names=None):
+    """pymc-extras' structural local linear trend + measurement error model of ``y`` (n, k), as its
+    users write it (``P0 = 10 I``; ``observed_state_names``: one name per column of ``y``, each series its
+    own trend and diagonal measurement error).  Unchanged user code: on ``import iterops`` its Kalman
+    filter Scan (``filter_type="standard"``) is replaced by :func:`iterops.ts.kalman_filter`; pymc-extras'
+    other filters stay Scans (see :mod:`iterops.fusion.patterns.kalman`)."""
     import pymc as pm
     from pymc_extras.statespace import structural as st
 
-    ss = (st.LevelTrendComponent(order=2, innovations_order=[1, 1]) + st.MeasurementError()).build(verbose=False)
+    names = {} if observed_state_names is None else dict(observed_state_names=list(observed_state_names))
+    ss = (st.LevelTrendComponent(order=2, innovations_order=[1, 1], **names)
+          + st.MeasurementError(**names)).build(verbose=False, filter_type=filter_type)
     with pm.Model(coords=ss.coords) as model:
         pm.Deterministic("P0", pt.eye(ss.k_states) * 10, dims=ss.param_dims["P0"])
         pm.Normal("initial_level_trend", dims=ss.param_dims["initial_level_trend"])

@@ -5,7 +5,11 @@ gradients equal the unrewritten Scan (``excluding("iterops")``, FAST_COMPILE,
 autodiff of the Scan).  pymc-extras: its ``StandardFilter`` graph (all seven
 outputs, NaN and sentinel missing values), with static and with time-varying
 system matrices, and a real state-space model's ``compile_logp``/``compile_dlogp``;
-its square-root and univariate filters stay Scans.  Near misses stay Scans.
+its square-root, univariate and convergent filters stay Scans (structural models with each
+``filter_type`` compile to what pymc-extras computes), each for a reason shown on its own
+outputs (a skipped degenerate observation, a jitter on the Cholesky factor and a less stable
+conventional candidate on near-singular inputs, a frozen gain and an averaged pullback).
+Near misses stay Scans.
 """
 
 import warnings
@@ -249,22 +253,215 @@ def test_pymc_extras_time_varying_unsymmetric_obs_cov_stays_scan():
     assert not report.replaced and "not provably symmetric" in str(report), str(report)
 
 
-@pytest.mark.parametrize("filter_name", ["SquareRootFilter", "UnivariateFilter"])
-def test_pymc_extras_other_filters_stay_scans(filter_name, pe_data):
-    """pymc-extras' square-root and univariate filters run other arithmetic (Cholesky-factor updates,
-    one observation at a time in a nested Scan): no fused Op reproduces it, so they stay Scans, and the
-    compiled graph (rewrite registered) computes what pymc-extras computes."""
+# ---------------------------------------------------------------------------
+# pymc-extras' other filters: kept as Scans, each for a reason shown on pymc-extras' own outputs
+# ---------------------------------------------------------------------------
+
+_OTHER_FILTERS = ["SquareRootFilter", "UnivariateFilter", "ConvergentFilter"]
+
+
+def _filter(name, **kw):
     import pymc_extras.statespace.filters as filters
 
+    return getattr(filters, name)(**kw)
+
+
+def _outputs_of(filt, y, a0, P0, c, d, T, Z, R, H, Q):
+    """pymc-extras' filter outputs on numeric inputs: filtered state, filtered covariance, loglike_obs
+    (the univariate filter's observed-state outputs have one row per step, not ``p``: not requested)."""
+    outs = filt.build_graph(*(pt.as_tensor(np.asarray(x, dtype="float64")) for x in (y, a0, P0, c, d, T, Z, R, H, Q)))
+    return pytensor.function([], [outs[0], outs[3], outs[-1]], mode=_SCAN_MODE)()
+
+
+@pytest.mark.parametrize("filter_name", _OTHER_FILTERS)
+def test_pymc_extras_other_filters_stay_scans(filter_name, pe_data):
+    """pymc-extras' square-root, univariate and convergent filters are not replaced (reasons: the tests
+    below and the pattern module's docstring), and the compiled graph (rewrite registered) computes what
+    pymc-extras computes, values and gradients."""
     s = _symbols()
-    outs = _standard_filter_outputs(s, getattr(filters, filter_name)())
-    assert not iterops.explain(outs).replaced
+    vals = dict(pe_data)
+    if filter_name == "ConvergentFilter":  # no missing data (it asserts so)
+        vals["y"] = np.random.default_rng(2).normal(size=vals["y"].shape)
+    outs = _standard_filter_outputs(s, _filter(filter_name))
+    report = iterops.explain(outs[-1])
+    assert not report.replaced, str(report)
+    if filter_name == "UnivariateFilter":  # the nested Scan over the observations is analysed too
+        assert len(report.kept) == 2 and "could not be analysed" not in str(report), str(report)
     names = list(s)
-    ins, vals = [s[k] for k in names], [pe_data[k] for k in names]
-    f = pytensor.function(ins, outs[-1].sum())
-    assert _has_scan(f) and not _has_kalman(f)
-    ref = pytensor.function(ins, outs[-1].sum(), mode=_SCAN_MODE)
-    np.testing.assert_allclose(f(*vals), ref(*vals), rtol=1e-10)
+    ins, vals = [s[k] for k in names], [vals[k] for k in names]
+    ll = outs[-1].sum()
+    grads = pytensor.grad(ll, [s["a0"], s["L0"], s["T"], s["LH"]])
+    f = pytensor.function(ins, [ll, *grads], mode="FAST_COMPILE")
+    assert not _has_kalman(f)
+    ref = pytensor.function(ins, [ll, *grads], mode=_SCAN_MODE)
+    for g, w in zip(f(*vals), ref(*vals)):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_univariate_explain_inner_scan_with_boolean_sequence():
+    """Regression: a step summing a boolean (``1 - mask``, the univariate filter's ``1 - F_zero_flag``) is
+    analysed (the unifier negated the boolean term and raised), so ``explain`` gives the closest pattern's
+    first difference instead of "could not be analysed"."""
+    x, m = pt.vector("x"), pt.vector("m", dtype="bool")
+    out = pytensor.scan(lambda mi, xi: xi * (1 - mi) + 1.0, sequences=[m], outputs_info=[x], return_updates=False)
+    report = iterops.explain(out[-1])
+    assert not report.replaced and "could not be analysed" not in str(report), str(report)
+
+
+def test_univariate_filter_skips_exactly_degenerate_observations():
+    """Why ``UnivariateFilter`` is kept: it equals the multivariate filter with ``H = diag(diag(H)) + j I``
+    except where an observation's variance ``Z_i P Z_i^T + H_ii`` is exactly 0 (no measurement error, a
+    state known exactly: ``P0`` singular in the observed direction, the filter's stated use case), where it
+    skips the observation (``K = 0``, no ``log F + v^2 / F`` term, the ``log 2 pi`` still counted).  No
+    fused filter does that, and ``H_ii > 0`` cannot be proved (``H = 0`` models; ``sigma**2`` underflows).
+    Oracle: the closed form of both steps."""
+    j = 1e-8
+    y = np.array([[0.7, -0.4], [0.1, 0.2]])
+    P0, Z, H = np.diag([0.0, 1.0]), np.eye(2), np.zeros((2, 2))
+    sys_ = dict(a0=np.zeros(2), P0=P0, c=np.zeros(2), d=np.zeros(2), T=np.eye(2), Z=Z, R=np.eye(2), H=H,
+                Q=np.eye(2))
+    _, _, ll = _outputs_of(_filter("UnivariateFilter", cov_jitter=j), y, *sys_.values())
+    skipped = -0.5 * (2 * LOG2PI + np.log(1.0 + j) + y[0, 1] ** 2 / (1.0 + j))
+    np.testing.assert_allclose(ll[0], skipped, rtol=1e-12)
+    # the multivariate filter with the univariate's effective H = diag(diag(H)) + j I scores the first
+    # component too: -(log j + y^2 / j) / 2 more, about -2.4e7 here
+    fused_candidate = skipped - 0.5 * (np.log(j) + y[0, 0] ** 2 / j)
+    assert abs(fused_candidate - ll[0]) > 1e6
+    _, _, ll_std = _outputs_of(_filter("StandardFilter", cov_jitter=j), y, *sys_.values())
+    assert abs(ll_std[0] - ll[0]) > 1e6
+
+
+def test_square_root_filter_jitters_the_cholesky_factor():
+    """Why ``SquareRootFilter`` is kept (1): its ``stabilize(P_filtered, jitter)`` adds ``j I`` to the
+    Cholesky *factor* ``L`` (the recursion carries factors), so the covariance gets ``j (L + L^T) + j^2 I``
+    (with the QR's signs on ``diag(L)``), not the ``j I`` of every conventional filter.  Shown on a fully
+    missing first row, where the filtered factor is ``chol(P0 + j I) + j I`` (oracle: numpy)."""
+    j = 1e-3
+    rng = np.random.default_rng(8)
+    s = _system(rng)
+    y = s["y"].copy()
+    y[0] = np.nan
+    P0 = s["L0"] @ s["L0"].T
+    H, Q = s["LH"] @ s["LH"].T, s["LQ"] @ s["LQ"].T
+    _, P_f, _ = _outputs_of(_filter("SquareRootFilter", cov_jitter=j), y, s["a0"], P0, s["c"], s["d"], s["T"],
+                            s["Z"], s["R"], H, Q)
+    L = np.linalg.cholesky(P0 + j * np.eye(M)) + j * np.eye(M)
+    np.testing.assert_allclose(P_f[0], L @ L.T, rtol=1e-12)
+    conventional = P0 + 2 * j * np.eye(M)  # P0 + j I (start) + j I (stabilize), nothing observed
+    # off by j (L + L^T - I) + j^2 I, about 5e-4 relative here: far beyond rounding
+    assert np.abs(P_f[0] - conventional).max() > 1e-4 * np.abs(conventional).max()
+
+
+def test_square_root_filter_on_near_singular_inputs_a_fused_filter_breaks_the_contract():
+    """Why ``SquareRootFilter`` is kept (2), even with ``cov_jitter=0`` (where the factor jitter vanishes):
+    the fused conventional filter is the candidate, and on a near-singular start (``P0 = diag(1, 1e-14,
+    1e-14)``) with tiny measurement error (``H = 1e-14 I``) the square-root loop is well conditioned (its
+    outputs move by ~1e-10 relative under ulp perturbations of its inputs) while the conventional filter's
+    states and log-likelihood are off by ~4e-5 relative: beyond the fuzzer's tolerance (rtol 1e-6 plus 8
+    times the loop's own rounding spread).  Measured with the fuzzer's own checker."""
+    from test_fusion_fuzz import _close, _kalman_symbols, _kalman_values, _rounding_spread
+
+    s = _kalman_symbols()
+    ins = list(s.values())
+    P0, H, Q = s["L0"] @ s["L0"].T, s["LH"] @ s["LH"].T, s["LQ"] @ s["LQ"].T
+    m, p = 3, 2
+    c, d = pt.zeros(m), pt.zeros(p)
+    outs = _filter("SquareRootFilter", cov_jitter=0.0).build_graph(s["y"], s["a0"], P0, c, d, s["T"], s["Z"],
+                                                                   s["R"], H, Q)
+    loop = pytensor.function(ins, [outs[0], outs[-1]], mode=_SCAN_MODE)
+    res = iterops.ts.kalman_filter(s["y"], s["a0"], P0, c=c, d=d, T=s["T"], Z=s["Z"], R=s["R"], H=H, Q=Q)
+    fused = pytensor.function(ins, [res.filtered_state, res.loglik_obs], mode="FAST_COMPILE")
+    vals = dict(zip(s, _kalman_values()[0]))
+    base = [np.asarray(v, dtype="float64") for v in vals.values()]
+    want = loop(*base)
+    for g, w in zip(fused(*base), want):  # well-conditioned inputs: equal to rounding
+        _close(g, w, "well conditioned")
+    vals.update(LH=1e-7 * np.eye(p), L0=np.diag([1.0, 1e-7, 1e-7]))
+    hard = [np.asarray(v, dtype="float64") for v in vals.values()]
+    want = loop(*hard)
+    spread = _rounding_spread(loop, hard, ins, want)
+    assert all(float((sp / np.maximum(1.0, np.abs(w))).max()) < 1e-8 for sp, w in zip(spread, want))
+    got = fused(*hard)
+    for what, g, w, sp in zip(("filtered_state", "loglike_obs"), got, want, spread):
+        with pytest.raises(AssertionError, match="differ beyond rounding"):
+            _close(g, w, what, sp)
+
+
+def test_convergent_filter_is_not_the_full_filter():
+    """Why ``ConvergentFilter`` is kept: it stops the Riccati recursion at a user tolerance and continues
+    with the frozen gain (values differ from the full filter by the tolerance's effect, far beyond rounding
+    for a loose ``tol``), and its gradient is pymc-extras' own pullback, which averages the per-step
+    cotangents (its gradient of a weighted sum of ``loglike_obs`` is not the filter's).  Its Scans also sit
+    inside a ``SymbolicOp`` inlined only at ``specialize``, after the fusion passes.  Oracle: autodiff of
+    pymc-extras' ``StandardFilter`` Scan (the full filter)."""
+    rng = np.random.default_rng(1)
+    n = 200
+    y = pt.as_tensor((np.cumsum(rng.normal(scale=0.1, size=n)) + rng.normal(size=n))[:, None])
+    q = pt.dscalar("q")
+    T, Z, R, H = (pt.eye(1) for _ in range(4))  # distinct variables: the SymbolicOp takes each as an input
+    args = (y, pt.zeros(1), 10.0 * pt.eye(1), pt.zeros(1), pt.zeros(1), T, Z, R, H, q[None, None])
+    full = _filter("StandardFilter").build_graph(*args)[-1]
+    w = pt.cos(pt.arange(n))
+    for tol in (1e-10, 1e-3):
+        conv = _filter("ConvergentFilter", tol=tol).build_graph(*args)[-1]
+        assert not iterops.explain(conv).scans  # inside the SymbolicOp: the rewrite never sees them
+        f = pytensor.function([q], [conv.sum(), full.sum(), pytensor.grad((conv * w).sum(), q),
+                                    pytensor.grad((full * w).sum(), q)], mode=_SCAN_MODE)
+        ll_conv, ll_full, g_conv, g_full = f(0.5)
+        if tol == 1e-3:
+            assert abs(ll_conv - ll_full) > 1e-6 * abs(ll_full)
+        else:
+            np.testing.assert_allclose(ll_conv, ll_full, rtol=1e-9)
+        assert abs(g_conv - g_full) > 0.1 * abs(g_full)
+
+
+_KEPT_MODELS = {  # filter_type -> observed series of pymc-extras' structural local linear trend + noise
+    "univariate": ["a", "b"],
+    "cholesky": ["a", "b"],
+    "convergent": None,  # one series, no missing data (it asserts so)
+}
+
+
+@pytest.fixture(scope="module", params=list(_KEPT_MODELS))
+def kept_filter_model(request):
+    from iterops.demo import pymc_extras_local_linear_trend_model
+
+    rng = np.random.default_rng(3)
+    names = _KEPT_MODELS[request.param]
+    y = np.cumsum(rng.normal(size=(40, len(names or [0]))), axis=0)
+    if names:  # 2 series, diagonal measurement error, a missing component and a fully missing row
+        y[5, 0] = np.nan
+        y[17] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pymc_extras_local_linear_trend_model(y, filter_type=request.param, observed_state_names=names)
+
+
+def test_pymc_extras_models_with_other_filters_logp_dlogp(kept_filter_model):
+    """Structural models with ``filter_type`` univariate / cholesky / convergent: ``compile_logp`` and
+    ``compile_dlogp`` with iterops (rewrite registered, PyMC's pre-gradient pass included) equal the same
+    model compiled with no pattern; no Kalman Op appears (the filters are kept)."""
+    model = kept_filter_model
+    logp, dlogp = model.compile_logp(mode="FAST_COMPILE"), model.compile_dlogp(mode="FAST_COMPILE")
+    for fn in (logp, dlogp):
+        assert not _has_kalman(fn.f)
+    _compare_with_unfused(model, logp, dlogp, n_points=2, scale=0.3)
+
+
+def _compare_with_unfused(model, logp, dlogp, n_points, scale):
+    """``logp``/``dlogp`` equal the model's compiled with no pattern registered, at ``n_points`` random points
+    around the initial point; returns the reference functions.  PyMC canonicalizes the logp graph itself
+    (pre-gradient pass), whatever the mode: the reference is built with the registry emptied."""
+    with mock.patch.dict(iterops.fusion.PATTERNS, clear=True):
+        ref_logp = model.compile_logp(mode=_SCAN_MODE)
+        ref_dlogp = model.compile_dlogp(mode=_SCAN_MODE)
+    rng = np.random.default_rng(0)
+    ip = model.initial_point()
+    for _ in range(n_points):
+        point = {k: v + rng.normal(scale=scale, size=np.shape(v)) for k, v in ip.items()}
+        np.testing.assert_allclose(logp(point), ref_logp(point), rtol=1e-10)
+        np.testing.assert_allclose(dlogp(point), ref_dlogp(point), rtol=1e-8, atol=1e-10)
+    return ref_logp, ref_dlogp
 
 
 @pytest.fixture(scope="module")
@@ -285,18 +482,8 @@ def test_pymc_extras_model_logp_dlogp_use_kalman_op(local_level_model):
     logp, dlogp = model.compile_logp(), model.compile_dlogp()
     for fn in (logp, dlogp):
         assert _has_kalman(fn.f) and not _has_scan(fn.f)
-    # PyMC canonicalizes the logp graph itself (pre-gradient pass), whatever the mode: the
-    # reference is built with no pattern registered
-    with mock.patch.dict(iterops.fusion.PATTERNS, clear=True):
-        ref_logp = model.compile_logp(mode=_SCAN_MODE)
-        ref_dlogp = model.compile_dlogp(mode=_SCAN_MODE)
+    ref_logp, ref_dlogp = _compare_with_unfused(model, logp, dlogp, n_points=3, scale=0.5)
     assert _has_scan(ref_logp.f) and _has_scan(ref_dlogp.f)
-    rng = np.random.default_rng(0)
-    ip = model.initial_point()
-    for _ in range(3):
-        point = {k: v + rng.normal(scale=0.5, size=np.shape(v)) for k, v in ip.items()}
-        np.testing.assert_allclose(logp(point), ref_logp(point), rtol=1e-10)
-        np.testing.assert_allclose(dlogp(point), ref_dlogp(point), rtol=1e-8, atol=1e-10)
 
 
 # ---------------------------------------------------------------------------

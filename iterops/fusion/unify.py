@@ -404,10 +404,11 @@ _NEG: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _negated(v):
-    """``-v`` (one node per ``v``, so signatures are cached)."""
+    """``-v`` (one node per ``v``, so signatures are cached).  A boolean term (``1 - mask``) is negated as
+    the ``int8`` PyTensor's arithmetic upcasts it to (``neg`` rejects booleans)."""
     n = _NEG.get(v)
     if n is None:
-        n = _NEG[v] = pt.neg(v)
+        n = _NEG[v] = pt.neg(pt.cast(v, "int8") if v.type.dtype == "bool" else v)
     return n
 
 

@@ -31,11 +31,38 @@ loop reads them as sequences, one matrix per step, e.g. a design matrix of
 exogenous regressors) are passed to the fused filter as ``time_varying`` (the
 rows the loop reads).
 
-pymc-extras' other filters stay Scans: ``SquareRootFilter`` propagates
-Cholesky factors (QR-based updates) and ``UnivariateFilter`` processes one
-observation at a time in a nested Scan; no fused Op runs their arithmetic, and
-``ConvergentFilter`` stops its Riccati recursion at a tolerance and continues
-with a fixed gain (a different computation from a full filter).
+pymc-extras' other filters stay Scans, each for a reason shown on pymc-extras'
+own outputs in ``tests/test_fusion_kalman.py``:
+
+* ``UnivariateFilter`` (one observation at a time, a nested Scan reading only
+  ``diag(H)``) equals the fused filter with ``H = diag(diag(H)) + j I`` (and
+  ``j I`` added to the filtered covariance only) *except* where an
+  observation's variance ``Z_i P Z_i^T + H_ii`` is exactly 0: it then skips the
+  observation (``K = 0``, no ``log F + v^2 / F`` term, ``log 2 pi`` still
+  counted), where every fused filter scores it with variance ``j`` (a
+  log-likelihood ~1e7 apart).  That happens on ordinary inputs of its stated
+  use case (no measurement error and a start ``P0`` singular in an observed
+  direction), and ``H_ii > 0`` cannot be proved (``H = 0`` models;
+  ``sigma**2`` underflows to 0).  Its observed-state outputs hold only the last
+  component's ``y_hat`` and ``F`` per step, which no fused output gives.
+* ``SquareRootFilter`` propagates Cholesky factors (QR updates).  Its
+  ``stabilize(P_filtered, j)`` adds ``j I`` to the *factor* ``L``, so the
+  covariance gets ``j (L + L^T) + j^2 I`` (signs of ``diag(L)`` from the QR), a
+  different computation for every ``j > 0``.  With ``j = 0`` the candidate, the
+  fused conventional filter, is less stable than the loop: on a near-singular
+  start (``P0 = diag(1, 1e-14, 1e-14)``, ``H = 1e-14 I``) the loop is well
+  conditioned (outputs move ~1e-10 relative under ulp perturbations) and the
+  fused filter's states and log-likelihood are off by ~4e-5 relative, beyond
+  the contract's tolerance; and ``j = 0`` makes the loop's ``cholesky(H)`` of a
+  masked ``H`` fail (NaN) wherever a value is missing.
+* ``ConvergentFilter`` stops the Riccati recursion at its tolerance and
+  continues with the frozen gain (values differ from the full filter by the
+  tolerance's effect: 3e-5 relative for ``tol=1e-3``), and its gradient is
+  pymc-extras' own pullback, which averages the per-step cotangents (its
+  gradient of a weighted sum of ``loglike_obs`` is not the filter's).  Its
+  Scans (the stopped full filter, the fixed-gain tail, the backward pass) sit
+  inside a ``SymbolicOp`` that PyTensor inlines at ``specialize``, after the
+  fusion passes, so the rewrite never sees them.
 
 ``kalman_textbook`` -- the covariance form from a textbook (Durbin & Koopman
 (2012) section 4.3), states ``(a, P)`` = the prediction of alpha_t, per-step
