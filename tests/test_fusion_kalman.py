@@ -422,7 +422,9 @@ _KEPT_MODELS = {  # filter_type -> observed series of pymc-extras' structural lo
 }
 
 
-@pytest.fixture(scope="module", params=list(_KEPT_MODELS))
+# univariate in the default run; the other two compile the same kept Scan twice more (minutes): slow
+@pytest.fixture(scope="module", params=[k if k == "univariate" else pytest.param(k, marks=pytest.mark.slow)
+                                        for k in _KEPT_MODELS])
 def kept_filter_model(request):
     from iterops.demo import pymc_extras_local_linear_trend_model
 
