@@ -472,7 +472,7 @@ def _rounding_spread(f, vals, inputs, want, n=3):
             o = np.full(w.shape, np.inf) if err is not None else np.asarray(out[j], dtype=float)
             if o.shape != w.shape:
                 o = np.full(w.shape, np.inf)
-            d = np.abs(o - w)
+            d = np.asarray(np.abs(o - w))  # an array also for a 0-d output (the damped loop's w_bar)
             d[np.isfinite(w) & ~np.isfinite(o)] = np.inf
             spread[j] = np.fmax(spread[j], np.where(np.isfinite(w), d, 0.0))
     return spread

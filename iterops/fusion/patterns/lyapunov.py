@@ -72,6 +72,7 @@ gradient, no narrowing cast in the step, ...).
 
 from __future__ import annotations
 
+import pytensor.tensor as pt
 from pytensor.scan.utils import until
 
 from iterops.fusion.patterns._common import CONVERGENCE_STOPS, CONVERGENCE_STOP_KINDS, static_square
@@ -188,8 +189,9 @@ _DAMPED_VARIANTS = tuple((form, kind) for form in _DAMPED_FORMS for kind in _FIX
 
 def _build_damped(m):
     form, stop = _DAMPED_VARIANTS[m.variant]
+    w = pt.cast(m.outer["w"], m.dtype)  # a constant w (e.g. an integer 2) enters the loop in its dtype
     X = lyapunov_fixed_point_loop(m.outer["A"], m.outer["Q"], m.outer["X"], m.outer.get("tol", 0.0), m.n_steps,
-                                  stop=stop, w=m.outer["w"], damping=form)
+                                  stop=stop, w=w, damping=form)
     return {"X": X}
 
 
