@@ -504,3 +504,19 @@ def test_damped_fixed_point_default_mode_compiled(rng):
     out = ref.damped_fixed_point_loop(_DA, _DQ, _DW, X0=_DX0, tol=_DTOL, n_steps=3000)
     _compare([_DA, _DQ, _DX0, _DTOL, _DW], [out], [_DA, _DQ, _DX0, _DW], [*_damped_values(rng), 0.6],
              LyapunovFixedPointLoop)
+
+
+@pytest.mark.parametrize("loop", ["fixed point", "damped fixed point"])
+def test_constant_negative_n_steps_raises_as_the_loop(loop):
+    """Deep-fuzzer finding (the damped harness, mutation ``n_steps=-1``): Scan raises on a negative
+    ``n_steps`` when it runs; the fused graph ran 0 steps and returned ``X0`` when ``n_steps`` was a constant."""
+    out = (ref.fixed_point_loop(_DA, _DQ, _DX0, tol=_DTOL, n_steps=-1) if loop == "fixed point"
+           else ref.damped_fixed_point_loop(_DA, _DQ, _DW, X0=_DX0, tol=_DTOL, n_steps=-1))
+    f = pytensor.function([_DA, _DQ, _DX0, _DTOL, _DW], out, mode="FAST_COMPILE", on_unused_input="ignore")
+    g = pytensor.function([_DA, _DQ, _DX0, _DTOL, _DW], out, mode=_SCAN_MODE, on_unused_input="ignore")
+    assert not _has(f, Scan)
+    vals = [0.5 * np.eye(2), np.eye(2), np.eye(2), 1e-8, 0.5]
+    with pytest.raises(IndexError):
+        g(*vals)
+    with pytest.raises(IndexError, match="negative number of steps"):
+        f(*vals)
