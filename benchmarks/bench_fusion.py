@@ -34,6 +34,10 @@ def _fixed_point(A, B):
     return ref.fixed_point_loop(A, B, tol=1e-10, n_steps=5000)
 
 
+def _damped_fixed_point(A, B, w):
+    return ref.damped_fixed_point_loop(A, B, w, tol=1e-10, n_steps=5000)
+
+
 def _kalman(y, a0, L0, T, Z, R, LH, LQ):
     """The textbook covariance-form filter a user writes, covariances built as L L^T; the total log-likelihood."""
     ll, _, _ = ref.kalman_textbook_loop(y, a0, L0 @ L0.T, T, Z, R, LH @ LH.T, LQ @ LQ.T)
@@ -80,6 +84,8 @@ def run(quick: bool) -> list[Section]:
     cases = [
         ("Smith doubling loop", _doubling, [pt.matrix("A"), pt.matrix("B")], (a, q)),
         ("fixed point X <- A X A' + Q", _fixed_point, [pt.matrix("A"), pt.matrix("B")], (a, q)),
+        ("damped fixed point X <- (1-w) X + w (A X A' + Q)", _damped_fixed_point,
+         [pt.matrix("A"), pt.matrix("B"), pt.scalar("w")], (a, q, np.float64(0.7))),
         ("block-diagonal assembly", ref.block_diag_loop, [pt.tensor3("x")], (x,)),
         ("Kalman filter (textbook, n=500 m=4 p=2)", _kalman,
          [pt.tensor("y", shape=(None, 2)), pt.vector("a0"), *(pt.matrix(k) for k in ("L0", "T", "Z", "R", "LH", "LQ"))],

@@ -60,6 +60,25 @@ def fixed_point_loop(A, Q, X0=None, tol=1e-12, n_steps=5000, *, step=fixed_point
     return Xs[-1]
 
 
+def damped_fixed_point_step(X, A, Q, w, tol):
+    """The damped fixed-point iteration X_{k+1} = (1 - w) X_k + w (A X_k A^T + Q) (same limit for w != 0)."""
+    X_new = (1 - w) * X + w * (A @ X @ A.T + Q)
+    return X_new, until(pt.max(pt.abs(X_new - X)) < tol)
+
+
+def damped_fixed_point_loop(A, Q, w, X0=None, tol=1e-12, n_steps=5000, *, step=damped_fixed_point_step,
+                            **scan_kwargs):
+    """X <- (1 - w) X + w (A X A^T + Q) from ``X0`` (zeros by default) until the max-abs change is below
+    ``tol``: ``Xs[-1]``."""
+    X0 = pt.zeros_like(Q) if X0 is None else X0
+    Xs = pytensor.scan(step, outputs_info=[X0], non_sequences=[A, Q, pt.as_tensor(w), pt.as_tensor(tol)],
+                       n_steps=n_steps, return_updates=False, **scan_kwargs)
+    return Xs[-1]
+
+
+__all__ += ["damped_fixed_point_step", "damped_fixed_point_loop"]
+
+
 # ---------------------------------------------------------------------------
 # Block-diagonal assembly of a (k, n, m) tensor
 # ---------------------------------------------------------------------------

@@ -279,6 +279,31 @@ def _fixed_point_values():
     ]
 
 
+def _damped_build(step, loop, k):
+    A, Q, X0, w = pt.matrix("A"), pt.matrix("Q"), pt.matrix("X0"), pt.scalar("w")
+    tol, n = pt.scalar("tol"), pt.iscalar("n")
+    kw = {"n_steps": n, **_loop_kwargs(loop, k, (0, 1, 2, 3, -1))}
+    x0 = (pt.zeros_like(Q), Q, X0.T)[k % 3] if loop == "init" else X0
+    Xs = pytensor.scan(step, outputs_info=[x0], non_sequences=[A, Q, w, tol], return_updates=False, **kw)
+    return [A, Q, X0, w, tol, n], [Xs[-1]]
+
+
+def _damped_values():
+    rng = np.random.default_rng(5)
+    A = rng.normal(size=(3, 3))
+    A *= 0.7 / np.abs(np.linalg.eigvals(A)).max()
+    L = rng.normal(size=(3, 3))
+    c, s = np.cos(0.3), np.sin(0.3)
+    return [
+        (A, L @ L.T, rng.normal(size=(3, 3)), 0.6, 1e-12, 3000),
+        (A, L @ L.T, rng.normal(size=(3, 3)), 1.4, 1e-12, 3000),  # over-relaxed
+        (np.diag([1.0, 0.5]), np.diag([0.0, 1.0]), 1e6 * np.eye(2), 0.5, 1e-12, 5000),  # limit depends on X0
+        (np.array([[c, -s], [s, c]]), np.zeros((2, 2)), np.eye(2), 0.8, 1e-12, 400),  # rotation, Q = 0
+        (A, L @ L.T, 1e8 * rng.normal(size=(3, 3)), 1e-7, 1e-9, 300),  # w near 0, start far off: the guard
+        (A, L @ L.T, rng.normal(size=(3, 3)), 0.0, 1e-12, 50),  # w = 0: one step, X0 kept
+    ]
+
+
 def _block_build(step, loop, k, sequence=False):
     x = pt.tensor3("x")
     kw = _loop_kwargs(loop, k, (x.shape[0] - 1, 1, x.shape[0] + 0))
@@ -379,6 +404,7 @@ def _levinson_values():
 HARNESSES = {
     "lyapunov_doubling": Harness(ref.doubling_step, _doubling_build, _lyapunov_values),
     "lyapunov_fixed_point": Harness(ref.fixed_point_step, _fixed_point_build, _fixed_point_values),
+    "lyapunov_damped_fixed_point": Harness(ref.damped_fixed_point_step, _damped_build, _damped_values),
     "block_diag_indexed": Harness(ref.block_diag_step, _block_build, _block_values),
     "block_diag_sequence": Harness(_block_sequence_step, lambda s, lp, k: _block_build(s, lp, k, sequence=True),
                                    _block_values),
@@ -446,7 +472,7 @@ def _rounding_spread(f, vals, inputs, want, n=3):
             o = np.full(w.shape, np.inf) if err is not None else np.asarray(out[j], dtype=float)
             if o.shape != w.shape:
                 o = np.full(w.shape, np.inf)
-            d = np.abs(o - w)
+            d = np.asarray(np.abs(o - w))  # an array also for a 0-d output (the damped loop's w_bar)
             d[np.isfinite(w) & ~np.isfinite(o)] = np.inf
             spread[j] = np.fmax(spread[j], np.where(np.isfinite(w), d, 0.0))
     return spread

@@ -81,6 +81,16 @@ def _fixed_point_x0_case(rng):
     return [A, Q, X0], X, [A, Q, X0], [_stable(rng), L @ L.T + np.eye(3), 0.1 * np.eye(3)]
 
 
+def _damped_case(rng, w=None):
+    """The damped fixed point; ``w`` a symbolic scalar (``None``, also differentiated) or a constant."""
+    A, Q, X0_, ws = pt.matrix("A"), pt.matrix("Q"), pt.matrix("X0"), pt.scalar("w")
+    X = rl.damped_fixed_point_loop(A, Q, ws if w is None else w, X0=X0_, tol=1e-11, n_steps=3000)
+    L = rng.normal(size=(3, 3))
+    ins = [A, Q, X0_, *([ws] if w is None else [])]
+    vals = [_stable(rng), L @ L.T + np.eye(3), rng.normal(size=(3, 3)), *([0.6] if w is None else [])]
+    return ins, X, ins, vals
+
+
 def _block_diag_case(rng):
     x = pt.tensor3("x")
     return [x], rl.block_diag_loop(x), [x], [rng.normal(size=(4, 2, 3))]
@@ -145,6 +155,8 @@ CASES = {
     "doubling": lambda rng: _lyapunov_case(rl.doubling_loop, rng),
     "fixed_point": lambda rng: _lyapunov_case(rl.fixed_point_loop, rng),
     "fixed_point_x0": _fixed_point_x0_case,
+    "damped_fixed_point": _damped_case,
+    "damped_fixed_point_constant_w": lambda rng: _damped_case(rng, w=0.5),
     "block_diag": _block_diag_case,
     "block_diag_sequence": _block_diag_sequence_case,
     "block_diag_sequence_backwards": lambda rng: _block_diag_sequence_case(rng, go_backwards=True),
@@ -174,7 +186,7 @@ def test_plain_grad_is_fused_and_equal(name, rng):
 
 
 @pytest.mark.parametrize("mode", ["CVM", "FAST_COMPILE"])
-@pytest.mark.parametrize("name", ["fixed_point", "levinson_all", "kalman_ll"])
+@pytest.mark.parametrize("name", ["fixed_point", "damped_fixed_point", "levinson_all", "kalman_ll"])
 def test_other_linkers(name, mode, rng):
     ins, out, wrt, vals = CASES[name](rng)
     cost = _cost(out)

@@ -15,6 +15,7 @@ from pytensor.scan.op import Scan
 import iterops
 from iterops import reference_loops as ref
 from iterops.linalg.block_diag import BlockDiag
+from iterops.linalg.lyapunov_iteration import LyapunovFixedPointLoop
 from iterops.ts.kalman import KalmanFilter
 from iterops.ts.levinson_recursion import LevinsonRecursion
 
@@ -336,18 +337,186 @@ def test_block_diag_backwards_near_miss_builder_matches_when_unchanged():
 
 
 # ---------------------------------------------------------------------------
-# The damped fixed point: not matched (no fused Op runs it), so it must stay a Scan
+# The damped fixed point X <- (1 - w) X + w (A X A^T + Q): the same damped iteration fused
 # ---------------------------------------------------------------------------
 
 
-def test_damped_fixed_point_stays_scan():
-    """``X <- (1 - w) X + w (A X A^T + Q)`` has the fixed-point loop's limit but other iterates (and another
-    stop step): replacing it by the undamped loop would change its values, so it is kept."""
+def _damped_loop(update, w, stop=lambda new, old, tol: pt.max(pt.abs(new - old)) < tol, n_steps=3000,
+                 X0=None, **scan_kwargs):
+    """``ref.damped_fixed_point_loop`` with the update (and stop) spelled otherwise."""
     from pytensor.scan.utils import until
 
-    def damped(X, A, Q, tol):
-        X_new = 0.5 * X + 0.5 * (A @ X @ A.T + Q)
-        return X_new, until(pt.max(pt.abs(X_new - X)) < tol)
+    def step(X, A, Q, w, tol):
+        X_new = update(X, A, Q, w)
+        return X_new if stop is None else (X_new, until(stop(X_new, X, tol)))
 
-    A, Q = pt.matrix("A"), pt.matrix("Q")
-    assert not iterops.explain(ref.fixed_point_loop(A, Q, step=damped)).replaced
+    return ref.damped_fixed_point_loop(_DA, _DQ, w, X0=_DX0 if X0 is None else X0, tol=_DTOL, n_steps=n_steps,
+                                       step=step, **scan_kwargs)
+
+
+_DA, _DQ, _DX0, _DW, _DTOL = pt.matrix("A"), pt.matrix("Q"), pt.matrix("X0"), pt.scalar("w"), pt.scalar("tol")
+
+#: the damped spellings accepted (each is the iteration of ``ref.damped_fixed_point_step`` as written)
+DAMPED_SPELLINGS = {
+    "reference": ref.damped_fixed_point_step,
+    "(1 - w) X + w (A X A^T + Q)": lambda X, A, Q, w: (1 - w) * X + w * (A @ X @ A.T + Q),
+    "1.0 - w": lambda X, A, Q, w: (1.0 - w) * X + w * (A @ X @ A.T + Q),
+    "terms swapped": lambda X, A, Q, w: w * (A @ X @ A.T + Q) + (1 - w) * X,
+    "factors swapped": lambda X, A, Q, w: X * (1 - w) + (Q + A @ X @ A.T) * w,
+    "X + w (A X A^T + Q - X)": lambda X, A, Q, w: X + w * (A @ X @ A.T + Q - X),
+    "increment, operands swapped": lambda X, A, Q, w: (A @ X @ A.T + Q - X) * w + X,
+    "increment, -X first": lambda X, A, Q, w: X + w * (-X + A @ X @ A.T + Q),
+}
+
+
+def _damped_values(rng, kind="stable"):
+    L = rng.normal(size=(3, 3))
+    if kind == "unit_root":  # an unexcited unit root: the limit keeps X0's part
+        return [np.diag([1.0, 0.5, 0.2]), np.diag([0.0, 1.0, 1.0]), 10.0 * np.eye(3), 1e-10]
+    A = rng.normal(size=(3, 3))
+    return [0.8 * A / np.abs(np.linalg.eigvals(A)).max(), L @ L.T + np.eye(3), rng.normal(size=(3, 3)), 1e-10]
+
+
+def _compare_damped(ins, outs, wrt, vals, rtol=1e-7, atol=1e-9):
+    """:func:`_compare` for many small graphs: values and plain-``pytensor.grad`` gradients through the Python
+    linker (``FAST_COMPILE``: the fused Op's ``perform`` runs the same kernel), and the graph the default mode
+    links (rewritten, not linked: linking is slow) holds the fused Op and no Scan."""
+    from pytensor.graph.fg import FunctionGraph
+
+    cost = sum((o * pt.cos(0.7 * pt.arange(o.size) + k).reshape(o.shape)).sum() for k, o in enumerate(outs))
+    grads = pytensor.grad(cost, wrt)
+    f = pytensor.function(ins, [*outs, *grads], mode="FAST_COMPILE")
+    g = pytensor.function(ins, [*outs, *grads], mode=_SCAN_MODE)
+    assert _has(f, LyapunovFixedPointLoop) and not _has(f, Scan), str(iterops.explain(outs))
+    fg = FunctionGraph(outputs=[*outs, *grads], clone=True)
+    get_mode("NUMBA").optimizer.rewrite(fg)
+    ops = [getattr(n.op, "core_op", n.op) for n in fg.apply_nodes]
+    assert any(isinstance(op, LyapunovFixedPointLoop) for op in ops) and not any(isinstance(op, Scan) for op in ops)
+    for v in vals:
+        for j, (a, b) in enumerate(zip(f(*v), g(*v))):
+            scale = max(1.0, float(np.abs(b).max(initial=0.0)))
+            np.testing.assert_allclose(a, b, rtol=rtol, atol=atol * scale, err_msg=f"output/gradient {j}")
+
+
+@pytest.mark.parametrize("name", list(DAMPED_SPELLINGS))
+def test_damped_fixed_point_spellings_fused_and_equal(name, rng):
+    step = DAMPED_SPELLINGS[name]
+    if name == "reference":
+        out = ref.damped_fixed_point_loop(_DA, _DQ, _DW, X0=_DX0, tol=_DTOL, n_steps=3000)
+    else:
+        out = _damped_loop(step, _DW)
+    ins = [_DA, _DQ, _DX0, _DTOL, _DW]
+    vals = [[*_damped_values(rng, kind), w] for kind, w in (("stable", 0.6), ("stable", 1.3), ("unit_root", 0.45))]
+    _compare_damped(ins, [out], [_DA, _DQ, _DX0, _DW], vals)  # w > 1 over-relaxes
+
+
+@pytest.mark.parametrize("w", [0.5, 0.25, 1.5])
+def test_damped_fixed_point_with_a_constant_w(w, rng):
+    """``w`` written as a number (``(1 - 0.5)`` folds to a constant in the step)."""
+    ins = [_DA, _DQ, _DX0, _DTOL]
+    for name in ("reference", "X + w (A X A^T + Q - X)"):
+        step = DAMPED_SPELLINGS[name] if name != "reference" else DAMPED_SPELLINGS["(1 - w) X + w (A X A^T + Q)"]
+        _compare_damped(ins, [_damped_loop(step, w)], [_DA, _DQ, _DX0], [_damped_values(rng)])
+
+
+@pytest.mark.parametrize("case", ["w = 0", "w near 0", "guard", "no stop", "frobenius stop", "float32"])
+def test_damped_fixed_point_edge_cases(case, rng):
+    """Loops the damped Op must run as written: ``w = 0`` stops after one step at ``X0`` (its gradient for
+    ``w`` is the first step's ``Y - X0``), a tiny ``w`` stopped by the tolerance far from the solution, the
+    ``n_steps`` guard, no stop, the Frobenius stop, float32."""
+    upd = DAMPED_SPELLINGS["(1 - w) X + w (A X A^T + Q)"]
+    vals, w = _damped_values(rng), {"w = 0": 0.0, "w near 0": 1e-9}.get(case, 0.7)
+    ins, wrt = [_DA, _DQ, _DX0, _DTOL, _DW], [_DA, _DQ, _DX0, _DW]
+    kw = dict(rtol=1e-7, atol=1e-9)
+    if case == "guard":
+        out = _damped_loop(upd, _DW, n_steps=7)
+    elif case == "no stop":
+        out = _damped_loop(upd, _DW, stop=None, n_steps=40)
+    elif case == "frobenius stop":
+        out = _damped_loop(upd, _DW, stop=lambda new, old, tol: pt.linalg.norm(old - new) < tol)
+    elif case == "float32":
+        A, Q, X0 = (pt.matrix(n, dtype="float32") for n in ("A", "Q", "X0"))
+        w32, tol = pt.scalar("w", dtype="float32"), pt.scalar("tol", dtype="float32")
+        out = ref.damped_fixed_point_loop(A, Q, w32, X0=X0, tol=tol, n_steps=500)
+        ins, wrt = [A, Q, X0, tol, w32], [A, Q, X0, w32]
+        vals = [v.astype("float32") for v in vals[:3]] + [np.float32(1e-5)]
+        kw = dict(rtol=1e-4, atol=1e-4)
+    else:
+        out = _damped_loop(upd, _DW)
+    _compare_damped(ins, [out], wrt, [[*vals, np.asarray(w, dtype=ins[-1].type.dtype)]], **kw)
+
+
+def _damped_near(change):
+    from pytensor.scan.utils import until
+
+    upd = DAMPED_SPELLINGS["(1 - w) X + w (A X A^T + Q)"]
+    if change == "(2 - w) X":
+        return _damped_loop(lambda X, A, Q, w: (2 - w) * X + w * (A @ X @ A.T + Q), _DW)
+    if change == "0.4 X + 0.5 Y":
+        return _damped_loop(lambda X, A, Q, w: 0.4 * X + 0.5 * (A @ X @ A.T + Q), 0.5)
+    if change == "two different factors":
+        w2 = pt.scalar("w2")
+        return _damped_loop(lambda X, A, Q, w: (1 - w2) * X + w * (A @ X @ A.T + Q), _DW)
+    if change == "w read as a sequence":
+        ws = pt.vector("ws")
+
+        def step(w, X, A, Q, tol):
+            X_new = upd(X, A, Q, w)
+            return X_new, until(pt.max(pt.abs(X_new - X)) < tol)
+
+        return pytensor.scan(step, sequences=[ws], outputs_info=[_DX0], non_sequences=[_DA, _DQ, _DTOL],
+                             return_updates=False)[-1]
+    if change == "narrowing cast":
+        return _damped_loop(lambda X, A, Q, w: upd(X, A, Q, w.astype("float32").astype("float64")), _DW)
+    if change == "w on the other side":
+        return _damped_loop(lambda X, A, Q, w: w * X + (1 - w) * (A @ X @ A.T + Q), _DW)
+    if change == "X - w (X - Y)":  # the same in exact arithmetic, not a spelling the pattern lists
+        return _damped_loop(lambda X, A, Q, w: X - w * (X - (A @ X @ A.T + Q)), _DW)
+    if change == "w distributed":
+        return _damped_loop(lambda X, A, Q, w: (1 - w) * X + w * (A @ X @ A.T) + w * Q, _DW)
+    if change == "intermediate iterates used":
+        Xs = pytensor.scan(lambda X, A, Q, w: upd(X, A, Q, w), outputs_info=[_DX0], non_sequences=[_DA, _DQ, _DW],
+                           n_steps=20, return_updates=False)
+        return Xs[-2]
+    raise ValueError(change)
+
+
+DAMPED_NEAR_MISSES = ["(2 - w) X", "0.4 X + 0.5 Y", "two different factors", "w read as a sequence",
+                      "narrowing cast", "w on the other side", "X - w (X - Y)", "w distributed",
+                      "intermediate iterates used"]
+
+
+@pytest.mark.parametrize("change", DAMPED_NEAR_MISSES)
+def test_damped_fixed_point_near_misses_stay_scans(change):
+    report = iterops.explain(_damped_near(change))
+    assert report.scans and not report.replaced, str(report)
+    assert all(s.reasons for s in report.kept)
+
+
+def test_damped_fixed_point_truncated_gradient_keeps_the_scans():
+    out = ref.damped_fixed_point_loop(_DA, _DQ, _DW, X0=_DX0, tol=_DTOL, n_steps=100, truncate_gradient=3)
+    f = pytensor.function([_DA, _DQ, _DX0, _DW, _DTOL], pytensor.grad(out.sum(), _DW), mode="FAST_COMPILE")
+    assert _has(f, Scan) and not _has(f, LyapunovFixedPointLoop)
+
+
+def test_damped_fixed_point_default_mode_compiled(rng):
+    """One damped loop compiled and run in the default (Numba) mode with plain ``pytensor.grad``."""
+    out = ref.damped_fixed_point_loop(_DA, _DQ, _DW, X0=_DX0, tol=_DTOL, n_steps=3000)
+    _compare([_DA, _DQ, _DX0, _DTOL, _DW], [out], [_DA, _DQ, _DX0, _DW], [*_damped_values(rng), 0.6],
+             LyapunovFixedPointLoop)
+
+
+@pytest.mark.parametrize("loop", ["fixed point", "damped fixed point"])
+def test_constant_negative_n_steps_raises_as_the_loop(loop):
+    """Deep-fuzzer finding (the damped harness, mutation ``n_steps=-1``): Scan raises on a negative
+    ``n_steps`` when it runs; the fused graph ran 0 steps and returned ``X0`` when ``n_steps`` was a constant."""
+    out = (ref.fixed_point_loop(_DA, _DQ, _DX0, tol=_DTOL, n_steps=-1) if loop == "fixed point"
+           else ref.damped_fixed_point_loop(_DA, _DQ, _DW, X0=_DX0, tol=_DTOL, n_steps=-1))
+    f = pytensor.function([_DA, _DQ, _DX0, _DTOL, _DW], out, mode="FAST_COMPILE", on_unused_input="ignore")
+    g = pytensor.function([_DA, _DQ, _DX0, _DTOL, _DW], out, mode=_SCAN_MODE, on_unused_input="ignore")
+    assert not _has(f, Scan)
+    vals = [0.5 * np.eye(2), np.eye(2), np.eye(2), 1e-8, 0.5]
+    with pytest.raises(IndexError):
+        g(*vals)
+    with pytest.raises(IndexError, match="negative number of steps"):
+        f(*vals)

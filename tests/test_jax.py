@@ -185,6 +185,20 @@ def _case_fixed_point_loop_symbolic_steps(rng):
     return [a, q, x0, n], [out], [A, Q, X0, np.int32(25)], [a, q, x0]
 
 
+def _case_damped_fixed_point_loop(damping, symbolic_steps=False):
+    def case(rng):
+        A, Q, X0 = _stable(rng, 3, 0.7), _spd(rng, 3), rng.normal(size=(3, 3))
+        a, q, x0, w = _tensor("A", A), _tensor("Q", Q), _tensor("X0", X0), pt.dscalar("w")
+        n = pt.iscalar("n") if symbolic_steps else 300
+        out = lyapunov_fixed_point_loop(a, q, x0, 1e-9, n, w=w, damping=damping)
+        ins, vals = [a, q, x0, w], [A, Q, X0, np.float64(1.3 if symbolic_steps else 0.6)]
+        if symbolic_steps:
+            return [*ins, n], [out], [*vals, np.int32(20)], ins
+        return ins, [out], vals, None
+
+    return case
+
+
 def _case_dare(rng):
     A, B = _stable(rng, 3, 1.1), rng.normal(size=(3, 2))  # an unstable A, stabilisable through B
     Q, R = _spd(rng, 3), _spd(rng, 2)
@@ -299,6 +313,8 @@ CASES = {
     "smith_doubling_loop_symbolic_steps": _case_doubling_loop_symbolic_steps,
     "fixed_point_loop": _case_fixed_point_loop,
     "fixed_point_loop_symbolic_steps": _case_fixed_point_loop_symbolic_steps,
+    "damped_fixed_point_loop": _case_damped_fixed_point_loop("convex"),
+    "damped_fixed_point_loop_increment_symbolic_steps": _case_damped_fixed_point_loop("increment", True),
     "solve_discrete_are": _case_dare,
     "block_diag": _case_block_diag,
     "solve_toeplitz": _case_toeplitz,
@@ -316,6 +332,7 @@ CASES = {
 #: in the default run (the others, which compile larger gradient graphs twice, run with ``-m slow``)
 DEFAULT_CASES = {
     "lyapunov_auto", "solve_discrete_are", "smith_doubling_loop_symbolic_steps", "fixed_point_loop", "block_diag", "solve_toeplitz",
+    "damped_fixed_point_loop", "damped_fixed_point_loop_increment_symbolic_steps",
     "levinson_recursion", "pacf_to_ar", "kalman_filter_missing_jitter", "kalman_smoother",
 }
 

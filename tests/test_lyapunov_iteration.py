@@ -378,3 +378,108 @@ def test_validation_errors(kwargs, error, match):
     if "X0" not in kwargs:
         with pytest.raises(error, match=match):
             smith_doubling_loop(**args)
+
+
+# ---------------------------------------------------------------------------
+# The damped fixed point (``w=``): against the user's damped Scan and finite differences
+# ---------------------------------------------------------------------------
+
+DAMPED_UPDATES = {
+    "convex": lambda X, A, Q, w: (1 - w) * X + w * (A @ X @ A.T + Q),
+    "increment": lambda X, A, Q, w: X + w * (A @ X @ A.T + Q - X),
+}
+
+
+#: the damped Scan oracle through the Python linker (many small graphs: Numba would compile each)
+_DAMPED_REF_MODE = pytensor.compile.get_mode("FAST_COMPILE").excluding("iterops")
+
+
+@cache
+def damped_fn(impl, damping, stop, dtype="float64", mode=None):
+    """f(A, Q, X0, w, tol, n_steps, W) -> X, dC/dA, dC/dQ, dC/dX0, dC/dw with C = <W, X>."""
+    A, Q, X0 = (pt.matrix(name, dtype=dtype) for name in ("A", "Q", "X0"))
+    w, tol, n = pt.scalar("w", dtype=dtype), pt.dscalar("tol"), pt.lscalar("n_steps")
+    if impl == "scan":
+        rule, update = STOP_RULES[stop], DAMPED_UPDATES[damping]
+
+        def step(X, A, Q, w, tol):
+            X_new = update(X, A, Q, w)
+            return X_new if rule is None else (X_new, until(rule(X_new, X, tol)))
+
+        X = ref.damped_fixed_point_loop(A, Q, w, X0, tol, n, step=step)
+    else:
+        X = lyapunov_fixed_point_loop(A, Q, X0, tol, n, stop, w=w, damping=damping)
+    W = pt.matrix("W", dtype=X.dtype)
+    mode = _DAMPED_REF_MODE if impl == "scan" else mode
+    return pytensor.function([A, Q, X0, w, tol, n, W], [X, *pytensor.grad((X * W).sum(), [A, Q, X0, w])],
+                             mode=mode)
+
+
+def check_damped(a, q, x0, w, tol, n_steps, stop, damping, rtol=1e-11, mode=None):
+    wt = np.random.default_rng(0).normal(size=q.shape).astype(a.dtype)
+    args = (a, q, x0, np.asarray(w, dtype=a.dtype), tol, n_steps, wt)
+    fused = damped_fn("fused", damping, stop, a.dtype.name, mode)
+    want = damped_fn("scan", damping, stop, a.dtype.name)
+    got, expected = fused(*args), want(*args)
+    for name, x, y in zip(("X", "dA", "dQ", "dX0"), got, expected):
+        assert_close(x, y, rtol, name)
+    # w_bar sums <W_k, Y_k - X_k> over the steps, which cancel near convergence (the Scan sums <W, Y> and
+    # <W, X> apart): equal to rtol on the scale of its terms, not of the (possibly tiny) sum
+    scale = np.abs(wt).sum() * max(1.0, np.abs(x0).max(), np.abs(expected[0]).max())
+    np.testing.assert_allclose(got[4], expected[4], rtol=rtol, atol=10 * rtol * scale, err_msg="dw")
+
+
+@settings(max_examples=15)
+@given(
+    m=st.integers(1, 4),
+    rho=st.floats(0.05, 0.95),
+    w=st.sampled_from([0.0, 1e-8, 0.3, 1.0, 1.6]),
+    seed=st.integers(0, 2**32 - 1),
+    stop=st.sampled_from(STOPS),
+    damping=st.sampled_from(["convex", "increment"]),
+)
+def test_damped_matches_the_damped_scan(m, rho, w, seed, stop, damping):
+    rng = np.random.default_rng(seed)
+    n_steps = 40 if stop is None or w < 0.1 else 2000
+    check_damped(stable(rng, m, rho), spd(rng, m), rng.normal(size=(m, m)), w, 1e-10, n_steps, stop, damping,
+                 rtol=1e-9, mode="FAST_COMPILE")
+
+
+@pytest.mark.parametrize("damping", ["convex", "increment"])
+def test_damped_unit_root_far_start_and_nonfinite_start(damping):
+    """An unexcited unit root keeps X0's part; ``w = 1`` with an inf in ``X0`` is NaN where ``0 * inf`` is
+    (the damped loop, not the undamped one)."""
+    a, q = np.diag([1.0, 0.5]), np.diag([0.0, 1.0])
+    check_damped(a, q, 1e6 * np.eye(2), 0.5, 1e-12, 5000, "max_lt", damping, mode="FAST_COMPILE")
+    x0 = np.array([[np.inf, 0.0], [0.0, 1.0]])
+    X = lyapunov_fixed_point_loop(a, q, x0, 1e-12, 3, w=1.0, damping=damping).eval(mode="FAST_COMPILE")
+    Xs = x0
+    for _ in range(3):  # the loop in NumPy: (1 - 1) * inf is NaN
+        Y = a @ Xs @ a.T + q
+        Xs = (1 - 1.0) * Xs + 1.0 * Y if damping == "convex" else Xs + 1.0 * (Y - Xs)
+    np.testing.assert_array_equal(np.isnan(X), np.isnan(Xs))
+    assert np.isnan(X[0, 0])
+
+
+def test_damped_float32_and_default_mode(rng):
+    a, q, x0 = stable(rng, 3, 0.8), spd(rng, 3), rng.normal(size=(3, 3))
+    check_damped(a, q, x0, 0.7, 1e-10, 3000, "max_lt", "convex")  # default (Numba) mode
+    a32, q32, x32 = (v.astype("float32") for v in (a, q, x0))
+    check_damped(a32, q32, x32, 0.7, 1e-5, 300, "fro_lt", "increment", rtol=2e-5, mode="FAST_COMPILE")
+
+
+def test_damped_verify_grad(rng):
+    a, q, x0 = stable(rng, 3, 0.7), spd(rng, 3), rng.normal(size=(3, 3))
+    for damping in ("convex", "increment"):
+        verify_grad(lambda A, Q, X0, w: lyapunov_fixed_point_loop(A, Q, X0, 1e-3, 12, None, w=w, damping=damping),
+                    [a, q, x0, np.array(0.6)], rng=rng)
+    # batched w (Blockwise): one factor per system
+    verify_grad(lambda A, w: lyapunov_fixed_point_loop(A, q, x0, 0.0, 6, None, w=w),
+                [np.stack([a, 0.5 * a]), np.array([0.4, 1.2])], rng=rng)
+
+
+def test_damped_validation_errors():
+    with pytest.raises(ValueError, match="damping must be 'convex' or 'increment'"):
+        lyapunov_fixed_point_loop(np.eye(2), np.eye(2), np.eye(2), 1e-8, 10, w=0.5, damping="relaxed")
+    with pytest.raises(TypeError, match="w must be real, got w with dtype complex128"):
+        lyapunov_fixed_point_loop(np.eye(2), np.eye(2), np.eye(2), 1e-8, 10, w=0.5j)

@@ -12,7 +12,7 @@ applies the replacement before ``pytensor.grad`` instead; :func:`explain` says
 what was (or was not) replaced, gradient Scans included.
 
 Patterns (see :mod:`iterops.fusion.patterns`): Smith doubling and the
-fixed-point Lyapunov iteration (-> the same iterations fused,
+fixed-point Lyapunov iteration, plain or damped (-> the same iterations fused,
 :mod:`iterops.linalg.lyapunov_iteration`), block-diagonal assembly (->
 ``block_diag``), Kalman filters (-> ``kalman_filter``) and the
 Levinson-Durbin recursion (-> :mod:`iterops.ts.levinson_recursion`).

@@ -119,7 +119,7 @@ def _raise_as_the_loop(match, value, kind):
     do the replacements.  Checks that a constant ``n_steps`` proves are left out.
     """
     c = match.n_steps_value()
-    if c is None:
+    if c is None or c < 0:  # a constant negative n_steps: the loop raises when it runs, and so must this
         value = _NEGATIVE_STEPS(value, pt.ge(match.n_steps, 0))
     if kind == "last_nonempty" and (c is None or c < 1):
         value = _NO_STEP(value, pt.ge(match.n_steps, 1))

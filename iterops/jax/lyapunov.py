@@ -13,7 +13,7 @@ PyTensor builds it from the Op itself (implicit function theorem), so a JAX grad
 NaN ``X`` (documented difference).
 
 The loop Ops run the user's loop (``lax.while_loop``; same association of products, same dtypes, same
-stop rules compared in float64).  Their gradient Ops run the reverse pass of the module docstring of
+stop rules compared in float64; the damped fixed point ``(1 - w) X + w Y`` or ``X + w (Y - X)`` as written).  Their gradient Ops run the reverse pass of the module docstring of
 :mod:`iterops.linalg.lyapunov_iteration` step by step (``_doubling_step_vjp`` / ``_fixed_point_step_vjp``
 below mirror the Numba ones).  The iterates are kept in a buffer of ``n_steps + 1`` slots when ``n_steps``
 is a graph constant (the usual case: a fused Scan), as the Scan's gradient does; with a symbolic
@@ -38,6 +38,8 @@ __all__ = [
     "smith_doubling_loop_vjp",
     "lyapunov_fixed_point_loop",
     "lyapunov_fixed_point_loop_vjp",
+    "damped_fixed_point_loop",
+    "damped_fixed_point_loop_vjp",
 ]
 
 _EPS = float(np.finfo(np.float64).eps)
@@ -356,6 +358,61 @@ def lyapunov_fixed_point_loop_vjp(A, Q, X0, tol, n_steps, G, stop="max_lt", stat
     return GA, GQ, G_k
 
 
+def _damped_step(X, A, Q, w, damping):
+    """``(1 - w) X + w Y`` or ``X + w (Y - X)``, ``Y = (A X) A^T + Q`` (as the Numba ``_damp_into``)."""
+    Y = _fixed_point_step(X, A, Q)
+    return (1 - w) * X + w * Y if damping == "convex" else X + w * (Y - X)
+
+
+def _damped_step_vjp(X, A, Q, w, G):
+    """(cotangent of X_k, A_bar, Q_bar and w_bar increments) of a damped step (either form: the same
+    derivatives); ``Y`` is recomputed, as the Numba ``_damped_step_vjp`` does."""
+    Y = _fixed_point_step(X, A, Q)
+    Gy = w * G
+    G_prev, dA = _fixed_point_step_vjp(X, A, Gy)
+    return G_prev + (1 - w) * G, dA, Gy, jnp.sum(G * (Y - X))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def damped_fixed_point_loop(A, Q, X0, tol, n_steps, w, damping="convex", stop="max_lt", static_n=None):
+    """``X`` after the damped fixed-point loop (one (m, m) system, ``w`` a scalar of the loop dtype).
+
+    ``jax.grad`` runs :func:`damped_fixed_point_loop_vjp`; ``tol`` gets a zero cotangent."""
+    X, _ = _run(lambda X: _damped_step(X, A, Q, w, damping), lambda X: X, X0, tol, n_steps, _STOPS[stop])
+    return X
+
+
+def _damped_fwd(A, Q, X0, tol, n_steps, w, damping, stop, static_n):
+    out = damped_fixed_point_loop(A, Q, X0, tol, n_steps, w, damping, stop, static_n)
+    return out, (A, Q, X0, tol, n_steps, w)
+
+
+def _damped_bwd(damping, stop, static_n, res, G):
+    A, Q, X0, tol, n_steps, w = res
+    A_bar, Q_bar, X0_bar, w_bar = damped_fixed_point_loop_vjp(A, Q, X0, tol, n_steps, w, G, damping, stop,
+                                                              static_n)
+    return A_bar, Q_bar, X0_bar, _no_cotangent(tol), _no_cotangent(n_steps), w_bar.astype(jnp.asarray(w).dtype)
+
+
+damped_fixed_point_loop.defvjp(_damped_fwd, _damped_bwd)
+
+
+def damped_fixed_point_loop_vjp(A, Q, X0, tol, n_steps, w, G, damping="convex", stop="max_lt", static_n=None):
+    """``(A_bar, Q_bar, X0_bar, w_bar)``: the reverse pass of the damped fixed-point loop."""
+    zero = jnp.zeros_like(X0)
+
+    def vjp_step(X, cot):
+        G_k, GA, GQ, Gw = cot
+        G_prev, dA, dQ, dw = _damped_step_vjp(X, A, Q, w, G_k)
+        return G_prev, GA + dA, GQ + dQ, Gw + dw
+
+    G_k, GA, GQ, Gw = _reverse(
+        lambda X: _damped_step(X, A, Q, w, damping), lambda X: X, X0, tol, n_steps, _STOPS[stop], static_n,
+        vjp_step, (G.astype(X0.dtype), zero, zero, jnp.zeros((), X0.dtype)),
+    )
+    return GA, GQ, G_k, Gw
+
+
 # ---------------------------------------------------------------------------
 # Registration
 # ---------------------------------------------------------------------------
@@ -404,7 +461,11 @@ def register(jax_funcify):
         def fixed_point_loop(A, Q, X0, tol, n_steps):
             return cast_outputs(node, lyapunov_fixed_point_loop(A, Q, X0, tol, n_steps, stop, static_n))
 
-        return fixed_point_loop
+        def damped(A, Q, X0, tol, n_steps, w):
+            X = damped_fixed_point_loop(A, Q, X0, tol, n_steps, w, op.damping, stop, static_n)
+            return cast_outputs(node, X)
+
+        return damped if op.damping else fixed_point_loop
 
     @jax_funcify.register(LyapunovFixedPointLoopGrad)
     def _fixed_point_loop_grad(op, node=None, **kwargs):
@@ -413,4 +474,8 @@ def register(jax_funcify):
         def fixed_point_loop_grad(A, Q, X0, tol, n_steps, G):
             return cast_outputs(node, lyapunov_fixed_point_loop_vjp(A, Q, X0, tol, n_steps, G, stop, static_n))
 
-        return fixed_point_loop_grad
+        def damped_grad(A, Q, X0, tol, n_steps, w, G):
+            bars = damped_fixed_point_loop_vjp(A, Q, X0, tol, n_steps, w, G, op.damping, stop, static_n)
+            return cast_outputs(node, bars)
+
+        return damped_grad if op.damping else fixed_point_loop_grad

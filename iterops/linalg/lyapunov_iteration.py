@@ -17,6 +17,15 @@ every input on which the loop runs:
 
 .. math::  X_{k+1} = (A X_k) A^T + Q
 
+or, damped by a scalar ``w`` (``damping="convex"`` / ``"increment"``: the same
+in exact arithmetic, each rounded as written), with ``Y_k = (A X_k) A^T + Q``:
+
+.. math::  X_{k+1} = (1 - w) X_k + w Y_k \qquad\text{or}\qquad X_{k+1} = X_k + w (Y_k - X_k)
+
+(one kernel: the damping is a run-time code, the undamped step's arithmetic is
+untouched by it; ``w = 1`` is *not* the undamped loop when ``X_k`` holds
+inf/NaN, since ``0 * inf`` is NaN, so the damped kernel never shortcuts it).
+
 Each runs ``k = 0 .. n_steps - 1`` and stops after the first step whose change
 ``d = new - old`` (of ``gamma`` or ``X``) satisfies the stop rule (that step's
 values are kept): ``"max_lt"`` ``max|d| < tol``, ``"max_le"`` ``max|d| <= tol``,
@@ -56,6 +65,13 @@ of ``alpha_{k+1}``, ``gamma_{k+1}`` (matrix calculus, e.g. Giles 2008,
     \bar Q = \sum_{k\ge 1} \bar X_k,\qquad
     \bar A = \sum_{k\ge 0} \bar X_{k+1} A X_k^T + \bar X_{k+1}^T A X_k ,
 
+and for the damped loop, with ``Ybar = w Xbar_{k+1}`` and ``Y_k`` recomputed from the kept ``A X_k``,
+
+.. math::
+    \bar X_k = A^T \bar Y A + (1 - w) \bar X_{k+1},\qquad
+    \bar w = \sum_{k\ge 0} \langle \bar X_{k+1}, Y_k - X_k\rangle ,
+
+``Q_bar`` and ``A_bar`` as above with ``Ybar`` for ``X_bar_{k+1}``;
 ``tol`` gets a zero gradient, ``n_steps`` none (disconnected).  First-order
 reverse mode only: forward mode and second derivatives are not implemented
 (the gradient Ops raise PyTensor's ``NullTypeGradError`` when differentiated).
@@ -88,6 +104,8 @@ __all__ = [
 
 #: stop rule of the user's ``until(...)``, as a kernel code
 _STOPS = {None: 0, "max_lt": 1, "max_le": 2, "fro_lt": 3}
+#: damping of the fixed-point loop, as a kernel code: none, ``(1 - w) X + w Y``, ``X + w (Y - X)``
+_DAMPINGS = {None: 0, "convex": 1, "increment": 2}
 
 # ---------------------------------------------------------------------------
 # Kernels (the single implementation)
@@ -294,12 +312,51 @@ def smith_doubling_adjoint_kernel(A, Q, tol, n_steps, stop, Ga, Gg):
 
 
 @numba.njit(cache=True)
-def _fixed_point_step(A, At, Q, X, X_new, work):
+def _fixed_point_step(A, At, Q, X, X_new, work, damp, w):
     """``X_new = (A X) A^T + Q`` (the user's association; ``At`` is ``A^T`` laid out contiguously: gemm of a
-    plain operand is faster than of a transposed one); ``work`` receives ``A X`` (kept for the adjoint)."""
+    plain operand is faster than of a transposed one); ``work`` receives ``A X`` (kept for the adjoint).
+    With ``damp`` (a code of :data:`_DAMPINGS`) that ``Y`` is damped by ``w`` (:func:`_damp_into`)."""
     _mm(A, X, work)
     _mm(work, At, X_new)
-    _add_into(X_new, Q)
+    if damp == 0:
+        _add_into(X_new, Q)
+    else:
+        _damp_into(X_new, Q, X, damp, w)
+
+
+@numba.njit(cache=True)
+def _damp_into(out, Q, X, damp, w):
+    """``out <- (1 - w) X + w Y`` (``damp`` 1) or ``X + w (Y - X)`` (``damp`` 2), ``Y = out + Q``, elementwise
+    in the loop dtype as the user's fused elementwise graph computes it (``1 - w`` rounded first)."""
+    c = out.dtype.type(1) - w
+    for i in range(out.shape[0]):
+        for j in range(out.shape[1]):
+            y = out[i, j] + Q[i, j]
+            out[i, j] = c * X[i, j] + w * y if damp == 1 else X[i, j] + w * (y - X[i, j])
+
+
+@numba.njit(cache=True)
+def _damped_step_vjp_pre(At, Q, X, AX, w, G, Gw, W):
+    """First half of the damped step's reverse (``damp`` 1 or 2, the same derivatives): ``Gw = w G``, the
+    cotangent of ``Y = (A X) A^T + Q``, for the undamped step's reverse (``X_bar = A^T Gw A + (1 - w) G``,
+    :func:`_damped_step_vjp_post`); returns ``sum(G * (Y - X))``, this step's term of ``w_bar``, with ``Y``
+    recomputed (bit for bit the forward's) in ``W``."""
+    _mm(AX, At, W)
+    s = G.dtype.type(0)
+    for i in range(G.shape[0]):
+        for j in range(G.shape[1]):
+            s += G[i, j] * ((W[i, j] + Q[i, j]) - X[i, j])
+            Gw[i, j] = w * G[i, j]
+    return s
+
+
+@numba.njit(cache=True)
+def _damped_step_vjp_post(G, G_out, w):
+    """``G_out += (1 - w) G`` (the damped step's direct path from ``X_k`` to ``X_{k+1}``)."""
+    c = G.dtype.type(1) - w
+    for i in range(G.shape[0]):
+        for j in range(G.shape[1]):
+            G_out[i, j] += c * G[i, j]
 
 
 @numba.njit(cache=True)
@@ -316,9 +373,9 @@ def _fixed_point_step_vjp(A, X, AX, G, G_out, GA, GQ, PT, W):
 
 
 @numba.njit(cache=True)
-def _fixed_point_run(A, Q, X0, tol, n_steps, stop, keep):
-    """Run the fixed-point loop: (Xs, AXs, steps run), iterate ``k`` in slot ``_slot(k, keep)``; with
-    ``keep``, ``AXs[k]`` is step ``k``'s ``A X_k``."""
+def _fixed_point_run(A, Q, X0, tol, n_steps, stop, keep, damp, w):
+    """Run the fixed-point loop (damped by ``w`` if ``damp``): (Xs, AXs, steps run), iterate ``k`` in slot
+    ``_slot(k, keep)``; with ``keep``, ``AXs[k]`` is step ``k``'s ``A X_k``."""
     m = A.shape[0]
     n_steps = max(n_steps, 0)
     Xs = _buffer(n_steps, keep, m, X0.dtype)
@@ -331,7 +388,7 @@ def _fixed_point_run(A, Q, X0, tol, n_steps, stop, keep):
             Xs = _grow(Xs, n_steps)
             AXs = _grow(AXs, n_steps)
         old, new = _slot(k, keep), _slot(k + 1, keep)
-        _fixed_point_step(A, At, Q, Xs[old], Xs[new], AXs[old])
+        _fixed_point_step(A, At, Q, Xs[old], Xs[new], AXs[old], damp, w)
         k += 1
         if _stopped(Xs[new], Xs[old], tol, stop):
             break
@@ -339,16 +396,18 @@ def _fixed_point_run(A, Q, X0, tol, n_steps, stop, keep):
 
 
 @numba.njit(cache=True)
-def lyapunov_fixed_point_kernel(A, Q, X0, tol, n_steps, stop):
-    """Final ``X`` of the fixed-point loop for one (m, m) system (all three of one float dtype)."""
-    Xs, _, n_run = _fixed_point_run(A, Q, X0, tol, n_steps, stop, False)
+def lyapunov_fixed_point_kernel(A, Q, X0, tol, n_steps, stop, damp, w):
+    """Final ``X`` of the fixed-point loop for one (m, m) system (all three of one float dtype);
+    ``damp`` a code of :data:`_DAMPINGS`, ``w`` the damping factor (float64, used in ``X0``'s dtype)."""
+    Xs, _, n_run = _fixed_point_run(A, Q, X0, tol, n_steps, stop, False, damp, X0.dtype.type(w))
     return Xs[_slot(n_run, False)]
 
 
 @numba.njit(cache=True)
-def lyapunov_fixed_point_adjoint_kernel(A, Q, X0, tol, n_steps, stop, G):
-    """``(A_bar, Q_bar, X0_bar)`` from the cotangent ``G`` of the final ``X``."""
-    Xs, AXs, n_run = _fixed_point_run(A, Q, X0, tol, n_steps, stop, True)
+def lyapunov_fixed_point_adjoint_kernel(A, Q, X0, tol, n_steps, stop, damp, w, G):
+    """``(A_bar, Q_bar, X0_bar, w_bar)`` from the cotangent ``G`` of the final ``X`` (``w_bar`` 0 undamped)."""
+    w = X0.dtype.type(w)
+    Xs, AXs, n_run = _fixed_point_run(A, Q, X0, tol, n_steps, stop, True, damp, w)
     m = A.shape[0]
     G_k = G.astype(X0.dtype)
     G_prev = np.empty_like(G_k)
@@ -356,10 +415,20 @@ def lyapunov_fixed_point_adjoint_kernel(A, Q, X0, tol, n_steps, stop, G):
     GQ = np.zeros((m, m), dtype=X0.dtype)
     P = np.empty((m, m), dtype=X0.dtype)
     W = np.empty((m, m), dtype=X0.dtype)
+    Gw = np.empty((m if damp != 0 else 0, m), dtype=X0.dtype)
+    At = np.ascontiguousarray(A.T)
+    w_bar = X0.dtype.type(0)
     for k in range(n_run - 1, -1, -1):
-        _fixed_point_step_vjp(A, Xs[k], AXs[k], G_k, G_prev, GA, GQ, P, W)
+        if damp == 0:  # one call site of the step's reverse (code size: the cold compile)
+            Gy = G_k
+        else:
+            w_bar += _damped_step_vjp_pre(At, Q, Xs[k], AXs[k], w, G_k, Gw, W)
+            Gy = Gw
+        _fixed_point_step_vjp(A, Xs[k], AXs[k], Gy, G_prev, GA, GQ, P, W)
+        if damp != 0:
+            _damped_step_vjp_post(G_k, G_prev, w)
         G_k, G_prev = G_prev, G_k
-    return GA, GQ, G_k
+    return GA, GQ, G_k, w_bar
 
 
 # ---------------------------------------------------------------------------
@@ -385,16 +454,18 @@ def _doubling_abi(A, Q, Ga, Gg, alpha, gamma, m, tol, n_steps, stop, adjoint):
     return 0
 
 
-def _fixed_point_abi(A, Q, X0, G, X_or_A_bar, Q_bar, X0_bar, m, tol, n_steps, stop, adjoint):
-    """Forward: writes X.  Adjoint: reads G, writes (A_bar, Q_bar, X0_bar)."""
+def _fixed_point_abi(A, Q, X0, G, X_or_A_bar, Q_bar, X0_bar, w_bar, m, tol, n_steps, stop, adjoint, damp, w):
+    """Forward: writes X.  Adjoint: reads G, writes (A_bar, Q_bar, X0_bar) and ``w_bar[0]``."""
     A_, Q_, X0_ = numba.carray(A, (m, m)), numba.carray(Q, (m, m)), numba.carray(X0, (m, m))
     if adjoint:
-        a, q, x = lyapunov_fixed_point_adjoint_kernel(A_, Q_, X0_, tol, n_steps, stop, numba.carray(G, (m, m)))
+        a, q, x, wb = lyapunov_fixed_point_adjoint_kernel(A_, Q_, X0_, tol, n_steps, stop, damp, w,
+                                                          numba.carray(G, (m, m)))
         numba.carray(X_or_A_bar, (m, m))[:] = a
         numba.carray(Q_bar, (m, m))[:] = q
         numba.carray(X0_bar, (m, m))[:] = x
+        numba.carray(w_bar, (1,))[0] = wb
     else:
-        numba.carray(X_or_A_bar, (m, m))[:] = lyapunov_fixed_point_kernel(A_, Q_, X0_, tol, n_steps, stop)
+        numba.carray(X_or_A_bar, (m, m))[:] = lyapunov_fixed_point_kernel(A_, Q_, X0_, tol, n_steps, stop, damp, w)
     return 0
 
 
@@ -406,8 +477,9 @@ _DOUBLING_ABI = {
     (a, q): OpaqueKernel(types.int64(*[_PTR[a], _PTR[q]] * 3, *_CONTROL), _doubling_abi, tag=f"_{a}_{q}")
     for a, q in (("float32", "float32"), ("float32", "float64"), ("float64", "float64"))
 }
-_FIXED_POINT_ABI = {
-    d: OpaqueKernel(types.int64(*[_PTR[d]] * 7, *_CONTROL), _fixed_point_abi, tag=f"_{d}") for d in _PTR
+_FIXED_POINT_ABI = {  # + damp, w
+    d: OpaqueKernel(types.int64(*[_PTR[d]] * 8, *_CONTROL, types.int64, types.float64), _fixed_point_abi,
+                    tag=f"_{d}") for d in _PTR
 }
 
 
@@ -449,13 +521,14 @@ def _doubling_entry(stop: int, a_dtype: str, q_dtype: str, adjoint: bool):
 
 
 @entry_point
-def _fixed_point_entry(stop: int, dtype: str, adjoint: bool):
-    """``run(A, Q, X0, tol, n_steps, G) -> X`` or, with ``adjoint``, ``(A_bar, Q_bar, X0_bar)``."""
+def _fixed_point_entry(stop: int, dtype: str, adjoint: bool, damp: int = 0):
+    """Undamped: ``forward(A, Q, X0, tol, n_steps) -> X`` or ``adjoint(..., G) -> (A_bar, Q_bar, X0_bar)``;
+    damped (``damp`` a code of :data:`_DAMPINGS`): the same with ``w`` after ``n_steps``, and ``w_bar`` last."""
     abi = _FIXED_POINT_ABI[dtype].external
     t = np.dtype(dtype).type
 
     @numba.njit
-    def run(A, Q, X0, tol, n_steps, G):
+    def run(A, Q, X0, tol, n_steps, w, G):
         m = A.shape[0]
         if not _same_square(A.shape, Q.shape, X0.shape, G.shape):
             raise ValueError("lyapunov_fixed_point_loop: A, Q, X0 (and G) must all be (m, m) with the same m")
@@ -463,17 +536,35 @@ def _fixed_point_entry(stop: int, dtype: str, adjoint: bool):
         A_, Q_ = np.ascontiguousarray(A), np.ascontiguousarray(Q)
         X0_, G_ = np.ascontiguousarray(X0), np.ascontiguousarray(G)
         out = np.empty((3, m, m), dtype=t)
+        w_bar = np.zeros((1,), dtype=t)
         abi(data_ptr(A_), data_ptr(Q_), data_ptr(X0_), data_ptr(G_),
-            data_ptr(out[0]), data_ptr(out[1]), data_ptr(out[2]),
-            m, np.float64(tol.item()), np.int64(n_steps.item()), stop, adjoint)
-        keep_alive((A_, Q_, X0_, G_, out))
-        return out[0], out[1], out[2]
+            data_ptr(out[0]), data_ptr(out[1]), data_ptr(out[2]), data_ptr(w_bar),
+            m, np.float64(tol.item()), np.int64(n_steps.item()), stop, adjoint, damp, w)
+        keep_alive((A_, Q_, X0_, G_, out, w_bar))
+        return out[0], out[1], out[2], w_bar
 
-    @numba.njit
-    def forward(A, Q, X0, tol, n_steps):
-        return run(A, Q, X0, tol, n_steps, X0)[0]  # X0 stands in for the unused cotangent
+    if damp == 0:
+        @numba.njit
+        def forward(A, Q, X0, tol, n_steps):
+            return run(A, Q, X0, tol, n_steps, 0.0, X0)[0]  # X0 stands in for the unused cotangent
 
-    return run if adjoint else forward
+        @numba.njit
+        def reverse(A, Q, X0, tol, n_steps, G):
+            a, q, x, _ = run(A, Q, X0, tol, n_steps, 0.0, G)
+            return a, q, x
+    else:
+        @numba.njit
+        def forward(A, Q, X0, tol, n_steps, w):
+            return run(A, Q, X0, tol, n_steps, np.float64(w.item()), X0)[0]
+
+        @numba.njit
+        def reverse(A, Q, X0, tol, n_steps, w, G):
+            a, q, x, wb = run(A, Q, X0, tol, n_steps, np.float64(w.item()), G)
+            w_bar = np.empty((), dtype=t)
+            w_bar[()] = wb[0]
+            return a, q, x, w_bar
+
+    return reverse if adjoint else forward
 
 
 def _control_inputs(tol, n_steps):
@@ -549,54 +640,94 @@ class SmithDoublingLoopGrad(_LoopOp):
         return _not_differentiable(self, inputs)
 
 
-@register_fused_op
-class LyapunovFixedPointLoop(_LoopOp):
-    """Core Op ``(m,m),(m,m),(m,m),(),()->(m,m)``: (A, Q, X0, tol, n_steps) -> X;
-    use :func:`lyapunov_fixed_point_loop`."""
+class _FixedPointOp(_LoopOp):
+    """The fixed-point Ops: props ``stop`` and ``damping`` (a key of :data:`_DAMPINGS`); a damped Op takes
+    the damping factor ``w`` (a scalar of the loop dtype) after ``n_steps``."""
 
-    gufunc_signature = "(m,m),(m,m),(m,m),(),()->(m,m)"
+    __props__ = ("stop", "damping")
+
+    def __init__(self, stop="max_lt", damping=None):
+        super().__init__(stop)
+        if damping not in _DAMPINGS:
+            raise ValueError(f"{type(self).__name__}: damping must be one of {list(_DAMPINGS)}, got {damping!r}")
+        self.damping = damping
+
+    @property
+    def _w(self):
+        """``[w]`` for a damped Op, else ``[]`` (where ``w`` sits in the inputs)."""
+        return [0] if self.damping else []
+
+    def _inputs(self, A, Q, X0, tol, n_steps, w, *cotangents):
+        mats = list(map(pt.as_tensor_variable, (A, Q, X0)))
+        w = [pt.as_tensor_variable(w)] if self.damping else []
+        dtype = float_dtype(*mats, *w)
+        tol, n_steps = _control_inputs(tol, n_steps)
+        cts = [pt.as_tensor_variable(g).astype(dtype) for g in cotangents]
+        return [*(x.astype(dtype) for x in mats), tol, n_steps, *(x.astype(dtype) for x in w), *cts]
+
+    def _entry(self, node, adjoint):
+        return _fixed_point_entry(_STOPS[self.stop], node.inputs[0].type.dtype, adjoint, _DAMPINGS[self.damping])
+
+
+@register_fused_op
+class LyapunovFixedPointLoop(_FixedPointOp):
+    """Core Op ``(m,m),(m,m),(m,m),(),()->(m,m)``: (A, Q, X0, tol, n_steps) -> X; damped,
+    ``(m,m),(m,m),(m,m),(),(),()->(m,m)``: (A, Q, X0, tol, n_steps, w) -> X.
+    Use :func:`lyapunov_fixed_point_loop`."""
+
     _output_shape_from = (2,)
 
-    def make_node(self, A, Q, X0, tol, n_steps):
-        A, Q, X0 = map(pt.as_tensor_variable, (A, Q, X0))
-        dtype = float_dtype(A, Q, X0)
-        A, Q, X0 = (x.astype(dtype) for x in (A, Q, X0))
-        tol, n_steps = _control_inputs(tol, n_steps)
-        return Apply(self, [A, Q, X0, tol, n_steps], [X0.type()])
+    @property
+    def gufunc_signature(self):
+        return "(m,m),(m,m),(m,m),(),()" + ",()" * len(self._w) + "->(m,m)"
+
+    def make_node(self, A, Q, X0, tol, n_steps, *w):
+        if len(w) != len(self._w):
+            raise TypeError(f"{self}: expected {5 + len(self._w)} inputs, got {5 + len(w)}")
+        inputs = self._inputs(A, Q, X0, tol, n_steps, *(w or [None]))
+        return Apply(self, inputs, [inputs[2].type()])
 
     def numba_fn(self, node):
-        return _fixed_point_entry(_STOPS[self.stop], node.inputs[0].type.dtype, False)
+        return self._entry(node, False)
 
     def connection_pattern(self, node):
-        return [[True], [True], [True], [True], [False]]
+        return [[True], [True], [True], [True], [False]] + [[True]] * len(self._w)
 
     def pullback(self, inputs, outputs, cotangents):
-        A, Q, X0, tol, n_steps = inputs
+        A, Q, X0, tol, n_steps, *w = inputs
         (G,) = cotangents
-        A_bar, Q_bar, X0_bar = apply_batched(LyapunovFixedPointLoopGrad(self.stop), A, Q, X0, tol, n_steps, G)
-        return [A_bar, Q_bar, X0_bar, pt.zeros_like(tol), disconnected_type()]
+        bars = apply_batched(LyapunovFixedPointLoopGrad(self.stop, self.damping), A, Q, X0, tol, n_steps, *w, G)
+        return [*bars[:3], pt.zeros_like(tol), disconnected_type(), *bars[3:]]
 
 
 @register_fused_op
-class LyapunovFixedPointLoopGrad(_LoopOp):
+class LyapunovFixedPointLoopGrad(_FixedPointOp):
     """Core Op ``(m,m),(m,m),(m,m),(),(),(m,m)->(m,m),(m,m),(m,m)``: (A, Q, X0, tol, n_steps, G) ->
-    (A_bar, Q_bar, X0_bar), the reverse pass of :class:`LyapunovFixedPointLoop`.  Not differentiable itself."""
+    (A_bar, Q_bar, X0_bar), the reverse pass of :class:`LyapunovFixedPointLoop`; damped,
+    (A, Q, X0, tol, n_steps, w, G) -> (A_bar, Q_bar, X0_bar, w_bar).  Not differentiable itself."""
 
-    gufunc_signature = "(m,m),(m,m),(m,m),(),(),(m,m)->(m,m),(m,m),(m,m)"
-    _output_shape_from = (0, 1, 2)
+    @property
+    def _output_shape_from(self):
+        return (0, 1, 2, *([5] if self.damping else []))
 
-    def make_node(self, A, Q, X0, tol, n_steps, G):
-        A, Q, X0, G = map(pt.as_tensor_variable, (A, Q, X0, G))
-        dtype = float_dtype(A, Q, X0)
-        A, Q, X0, G = (x.astype(dtype) for x in (A, Q, X0, G))
-        tol, n_steps = _control_inputs(tol, n_steps)
-        return Apply(self, [A, Q, X0, tol, n_steps, G], [A.type(), Q.type(), X0.type()])
+    @property
+    def gufunc_signature(self):
+        w = len(self._w)
+        return "(m,m),(m,m),(m,m),(),()" + ",()" * w + ",(m,m)->(m,m),(m,m),(m,m)" + ",()" * w
+
+    def make_node(self, A, Q, X0, tol, n_steps, *rest):
+        if len(rest) != 1 + len(self._w):
+            raise TypeError(f"{self}: expected {6 + len(self._w)} inputs, got {5 + len(rest)}")
+        *w, G = rest
+        inputs = self._inputs(A, Q, X0, tol, n_steps, *(w or [None]), G)
+        return Apply(self, inputs, [x.type() for x in (*inputs[:3], *inputs[5:5 + len(self._w)])])
 
     def numba_fn(self, node):
-        return _fixed_point_entry(_STOPS[self.stop], node.inputs[0].type.dtype, True)
+        return self._entry(node, True)
 
     def connection_pattern(self, node):
-        return [[True] * 3] * 4 + [[False] * 3] + [[True] * 3]
+        n_out = 3 + len(self._w)
+        return [[True] * n_out] * 4 + [[False] * n_out] + [[True] * n_out] * (1 + len(self._w))
 
     def pullback(self, inputs, outputs, cotangents):
         return _not_differentiable(self, inputs)
@@ -715,14 +846,19 @@ def smith_doubling_loop(A, Q, tol, n_steps, stop="max_lt") -> tuple[TensorVariab
     return alpha, gamma
 
 
-def lyapunov_fixed_point_loop(A, Q, X0, tol, n_steps, stop="max_lt") -> TensorVariable:
+def lyapunov_fixed_point_loop(A, Q, X0, tol, n_steps, stop="max_lt", *, w=None,
+                              damping="convex") -> TensorVariable:
     r"""Run the fixed-point Lyapunov loop as written, in one fused kernel: ``X`` after it stops.
 
     From ``X_0``, for ``k = 0 .. n_steps - 1``
 
     .. math::  X_{k+1} = (A X_k) A^T + Q ,
 
-    stopping after the first step where ``stop(X_{k+1}, X_k, tol)`` holds.
+    or, with a damping factor ``w``, ``Y_k = (A X_k) A^T + Q`` and
+    ``X_{k+1} = (1 - w) X_k + w Y_k`` (``damping="convex"``) or
+    ``X_k + w (Y_k - X_k)`` (``damping="increment"``: the same in exact
+    arithmetic, rounded as written), stopping after the first step where
+    ``stop(X_{k+1}, X_k, tol)`` holds.
     For a stable ``A`` it converges (linearly, rate ``rho(A)^2``) to the
     solution of ``A X A^T - X + Q = 0``; this returns the iterate the loop
     stops at, also when that is not the solution (an early stop, a unit root
@@ -740,6 +876,11 @@ def lyapunov_fixed_point_loop(A, Q, X0, tol, n_steps, stop="max_lt") -> TensorVa
         ``max|d| < tol``, ``max|d| <= tol``, ``||d||_F < tol`` with
         ``d = X_{k+1} - X_k``, or no stop (exactly ``n_steps`` steps).
         Leading dimensions of all arguments broadcast.
+    w : scalar tensor, shape (...), optional
+        Damping factor (any real value: ``w = 0`` keeps ``X_0``, ``w > 1``
+        over-relaxes); ``None``: the undamped loop.  Joins the upcast dtype.
+    damping : {"convex", "increment"}
+        How the damped update is written (see above).
 
     Returns
     -------
@@ -760,8 +901,12 @@ def lyapunov_fixed_point_loop(A, Q, X0, tol, n_steps, stop="max_lt") -> TensorVa
     overflows to inf/NaN exactly as the loop does, and a NaN change never
     satisfies the stop, so the loop then runs all ``n_steps`` steps.
 
+    The damped loop replaces the Scan whose step is
+    ``X_new = (1 - w) * X + w * (A @ X @ A.T + Q)`` (or
+    ``X + w * (A @ X @ A.T + Q - X)``), ``w`` a non-sequence or a constant.
+
     Gradient: the exact adjoint of the steps run (module docstring) with
-    respect to ``A``, ``Q`` and ``X0``; zero for ``tol``, none for
+    respect to ``A``, ``Q``, ``X0`` and ``w``; zero for ``tol``, none for
     ``n_steps``.  First order, reverse mode only.
 
     Examples
@@ -777,4 +922,11 @@ def lyapunov_fixed_point_loop(A, Q, X0, tol, n_steps, stop="max_lt") -> TensorVa
     tol, n_steps = _check_loop_args(func, stop, tol, n_steps)
     A, Q, X0 = (_real_matrix(func, name, x) for name, x in (("A", A), ("Q", Q), ("X0", X0)))
     _check_same_m(func, A=A, Q=Q, X0=X0)
-    return apply_batched(LyapunovFixedPointLoop(stop), A, Q, X0, tol, n_steps)
+    if w is None:
+        return apply_batched(LyapunovFixedPointLoop(stop), A, Q, X0, tol, n_steps)
+    if damping not in ("convex", "increment"):
+        raise ValueError(f"{func}: damping must be 'convex' or 'increment', got {damping!r}")
+    w = as_tensor(func, "w", w)
+    if w.type.numpy_dtype.kind not in "fiu":
+        raise TypeError(f"{func}: w must be real, got w with dtype {w.type.dtype} and shape {w.type.shape}")
+    return apply_batched(LyapunovFixedPointLoop(stop, damping), A, Q, X0, tol, n_steps, w)

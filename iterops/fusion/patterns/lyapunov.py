@@ -1,6 +1,6 @@
 r"""Lyapunov loops -> the same iteration fused (:mod:`iterops.linalg.lyapunov_iteration`).
 
-Both loops sum the series :math:`X = \sum_k A^k Q (A^T)^k`, the solution of
+The undamped loops sum the series :math:`X = \sum_k A^k Q (A^T)^k`, the solution of
 ``A X A^T - X + Q = 0`` when ``A`` is stable:
 
 ``lyapunov_doubling`` (Smith's doubling, the loop PyMC users write for a
@@ -36,11 +36,33 @@ guard, ``n_steps`` of 0 (an untraced ``alpha`` keeps its start value; reading
 (products are associated as written in the reference), which can move a stop
 decision taken exactly at the tolerance by one step.
 
-Not matched: the damped fixed point ``X <- (1 - w) X + w (A X A^T + Q)``.  It
-has the same limit but other iterates, another stop step and another
-gradient, so neither Op above may replace it, and no replica of it exists yet
-(it would need a damping factor in ``lyapunov_fixed_point_loop``'s kernel and
-adjoint, including the gradient with respect to ``w``): the Scan stays.
+``lyapunov_damped_fixed_point``, the damped fixed point (same limit for ``w != 0``, other iterates, stop
+step and gradient), replaced by :func:`~iterops.linalg.lyapunov_iteration.lyapunov_fixed_point_loop`
+with ``w=`` (the same kernel, damped as written; gradient with respect to ``w`` too)::
+
+    def step(X, A, Q, w, tol):
+        X_new = (1 - w) * X + w * (A @ X @ A.T + Q)
+        return X_new, until(pt.max(pt.abs(X_new - X)) < tol)
+
+``w`` is a scalar non-sequence or a constant (``0.5 * X + 0.5 * (...)``: the constant for ``X`` must be
+``1 - w`` of the other), any real value (``w = 0``, ``w > 1`` included).  The same stop rules as above.
+
+=========================================  ========  ==============================================
+spelling of the update                     fused?    note
+=========================================  ========  ==============================================
+``(1 - w) * X + w * (A @ X @ A.T + Q)``    yes       ``damping="convex"``; ``1.0 - w`` too
+``w * (...) + (1 - w) * X``, ``X * (1 -    yes       operands of ``+``, ``*`` in any order,
+w) + (Q + A @ X @ A.T) * w``                         ``Q`` on either side
+``X + w * (A @ X @ A.T + Q - X)``          yes       ``damping="increment"``; ``(... - X) * w + X``,
+                                                     ``-X + A @ X @ A.T + Q`` inside
+``0.7 * X + 0.3 * (...)``                  yes       constants with ``0.7 == 1 - 0.3`` (to 1e-12)
+``X - w * (X - (A @ X @ A.T + Q))``        kept      another sum of signed terms (not listed)
+``(1 - w) X + w A X A^T + w Q``            kept      ``w`` distributed: other rounding, not listed
+``X - w X + w Y``                          kept      not listed
+``(2 - w) X + ...``, ``0.4 X + 0.5 Y``     kept      another iteration
+``(1 - v) X + w Y`` (two factors)          kept      another iteration
+``w`` a sequence, a narrowing cast         kept      general conditions
+=========================================  ========  ==============================================
 
 Conditions (otherwise the Scan stays): only the final ``gamma`` / ``alpha``
 (``X``) are used, never intermediate iterates; ``A`` and ``Q`` are not
@@ -50,6 +72,7 @@ gradient, no narrowing cast in the step, ...).
 
 from __future__ import annotations
 
+import pytensor.tensor as pt
 from pytensor.scan.utils import until
 
 from iterops.fusion.patterns._common import CONVERGENCE_STOPS, CONVERGENCE_STOP_KINDS, static_square
@@ -135,4 +158,51 @@ register_pattern(Pattern(
     check=_check_fixed_point,
     build=_build_fixed_point,
     doc="fixed point X <- A X A^T + Q (until converged, or n_steps times)",
+))
+
+
+def _damped_update(form):
+    """The damped update as written: ``(1 - w) X + w Y`` (``"convex"``) or ``X + w (Y - X)`` (``"increment"``),
+    ``Y = A X A^T + Q``."""
+    if form == "convex":
+        return lambda X, A, Q, w: (1 - w) * X + w * (A @ X @ A.T + Q)
+    return lambda X, A, Q, w: X + w * (A @ X @ A.T + Q - X)
+
+
+def _damped_step(form, stop):
+    update = _damped_update(form)
+    if stop is None:
+        return lambda X, A, Q, w, tol: update(X, A, Q, w)
+
+    def step(X, A, Q, w, tol):
+        X_new = update(X, A, Q, w)
+        return X_new, until(stop(X_new, X, tol))
+
+    return step
+
+
+_DAMPED_FORMS = ("convex", "increment")
+_DAMPED_STOP_RULES = (*CONVERGENCE_STOPS, None)
+#: (form, stop kind) of each reference variant, in the order of the step functions
+_DAMPED_VARIANTS = tuple((form, kind) for form in _DAMPED_FORMS for kind in _FIXED_POINT_STOPS)
+
+
+def _build_damped(m):
+    form, stop = _DAMPED_VARIANTS[m.variant]
+    w = pt.cast(m.outer["w"], m.dtype)  # a constant w (e.g. an integer 2) enters the loop in its dtype
+    X = lyapunov_fixed_point_loop(m.outer["A"], m.outer["Q"], m.outer["X"], m.outer.get("tol", 0.0), m.n_steps,
+                                  stop=stop, w=w, damping=form)
+    return {"X": X}
+
+
+register_pattern(Pattern(
+    name="lyapunov_damped_fixed_point",
+    replaces_with="iterops.linalg.lyapunov_fixed_point_loop(..., w=w)",
+    step=tuple(_damped_step(form, stop) for form in _DAMPED_FORMS for stop in _DAMPED_STOP_RULES),
+    states=(Role("X", 2),),
+    non_sequences=(Role("A", 2), Role("Q", 2), Role("w", 0, constant_ok=True), Role("tol", 0, constant_ok=True)),
+    provides={"X": "last"},
+    check=_check_fixed_point,
+    build=_build_damped,
+    doc="damped fixed point X <- (1 - w) X + w (A X A^T + Q) (until converged, or n_steps times)",
 ))
