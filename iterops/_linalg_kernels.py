@@ -151,3 +151,65 @@ def borrowed(a):
     array (over ``a``'s data, without ``a``'s reference count) costs nothing to pass.  The caller
     keeps ``a`` alive until the borrowed array's last use (:func:`iterops._fused.keep_alive`)."""
     return numba.carray(data_ptr(a), a.shape)
+
+
+# ---------------------------------------------------------------------------
+# Structured (sparse) products: skip the zero entries of a factor (shift, companion and identity
+# blocks of a state-space model); the caller decides the exact fallback to the dense product.
+# ---------------------------------------------------------------------------
+
+__all__ += ["nonzero_index", "spmm", "all_finite"]
+
+
+@numba.njit(cache=True)
+def nonzero_index(X, idx):
+    """Row-wise index of the nonzero entries of ``X`` (n, m) into ``idx`` (n, m + 1) int64:
+    ``idx[i, 0]`` = their number in row i, ``idx[i, 1:1 + idx[i, 0]]`` = their columns, ascending.
+
+    Returns True when a product that skips the zeros pays off and is exact: every entry of X is
+    finite and at most half of them are nonzero (a NaN counts as nonzero)."""
+    n, m = X.shape
+    nnz = 0
+    finite = True
+    for i in range(n):
+        c = 0
+        for j in range(m):
+            x = X[i, j]
+            if x != 0.0:
+                c += 1
+                idx[i, c] = j
+                finite = finite and np.isfinite(x)
+        idx[i, 0] = c
+        nnz += c
+    return finite and 2 * nnz <= n * m
+
+
+@numba.njit(cache=True)
+def spmm(X, idx, Y, out, alpha=1.0, beta=0.0):
+    """out = alpha X Y + beta out over the nonzero entries of X only (``idx``: :func:`nonzero_index` of X;
+    X, Y, out may be transposed views).  Each entry sums its terms in the order of :func:`matmul`'s loops,
+    so for finite Y the result is the dense product's to rounding (bitwise for ``alpha = 1, beta = 0``
+    below :data:`SMALL`).  Returns the sum of the entries of ``alpha X Y``: not finite when one of them
+    is not (the caller then takes the dense product, in which ``0 * inf = NaN``)."""
+    total = 0.0
+    for i in range(X.shape[0]):
+        c = idx[i, 0]
+        for j in range(Y.shape[1]):
+            s = 0.0
+            for q in range(1, c + 1):
+                l = idx[i, q]
+                s += X[i, l] * Y[l, j]
+            s *= alpha
+            total += s
+            out[i, j] = s + (beta * out[i, j] if beta != 0.0 else 0.0)
+    return total
+
+
+@numba.njit(cache=True)
+def all_finite(X):
+    """True when every entry of the 2-d X is finite (its sum is; an overflowing sum says False)."""
+    s = 0.0
+    for i in range(X.shape[0]):
+        for j in range(X.shape[1]):
+            s += X[i, j]
+    return np.isfinite(s)

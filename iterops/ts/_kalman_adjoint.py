@@ -26,9 +26,9 @@ from iterops._fused import keep_alive
 from iterops._linalg_kernels import borrowed, cho_inverse, congruence, copy_into, matmul, sym_into
 from iterops.linalg.lyapunov import _doubling
 from iterops.ts._kalman_steps import (
-    System, closed_loop, fully_observed, innovation, loglik, loglik_vjp, observe, observe_vjp, predict_cov_vjp,
-    predict_vjp, reverse_work, rq_vjp, static_cov, static_rq, system_at, ti, update_cov, update_mean, update_vjp,
-    update_work, varies_over_time,
+    System, closed_loop, find_structure, fully_observed, innovation, loglik, loglik_vjp, observe, observe_vjp,
+    predict_cov_vjp, predict_vjp, reverse_work, rq_vjp, static_cov, static_rq, structure, system_at, ti,
+    update_cov, update_mean, update_vjp, update_work, varies_over_time,
 )
 
 __all__ = ["Cotangents", "InputCotangents", "kalman_adjoint_kernel"]
@@ -115,16 +115,21 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad):
     cached = False  # the work arrays hold the update of cache.P, fully observed (fast only)
     vary = varies_over_time(system)
     st, gst = system_at(system, 0), system_at(grad.system, 0)  # step t's matrices, cotangents
+    sx, sx_own = structure(m, p)  # as in the forward filter
+    find_structure(system.T[0], system.Z[0], sx)
+    restructure = system.T.shape[0] > 1 or system.Z.shape[0] > 1
     t = n - 1
     while t >= 0:
         if cached and fully_observed(y, t, options) and _row_same(Pp, t, cache.P):
-            t = _steady_adjoint_run(t, y, system, options, ap, Pp, cot, grad, abar, Pbar, Grq, cache)
+            t = _steady_adjoint_run(t, y, system, options, ap, Pp, cot, grad, abar, Pbar, Grq, cache, sx)
             continue
         if vary:
             st, gst = system_at(system, t), system_at(grad.system, t)
+            if restructure:
+                find_structure(st.T, st.Z, sx)
         a = ap[t]
         k = observe(a, y[t], st.d, st.Z, options, v, obs)
-        ok, logdet = update_cov(Pp[t], st.Z, st.H, jitter, k, ws, F, Pf)
+        ok, logdet = update_cov(Pp[t], st.Z, st.H, jitter, k, ws, F, Pf, sx)
         if not ok:
             _fill(grad, np.nan)
             grad.a0[:] = np.nan
@@ -134,7 +139,7 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad):
         update_mean(a, v, obs, k, K, af)
         # predict (a_f_bar starts from the cotangent of filtered_state[t], P_f_bar gets filtered_cov[t]'s)
         _row_or_zero(cot.filtered_state, t, af_bar)
-        predict_vjp(abar, Pbar, af, Pf, st, gst, sum_rq, Grq, G, W, Pf_bar, af_bar)
+        predict_vjp(abar, Pbar, af, Pf, st, gst, sum_rq, Grq, G, W, Pf_bar, af_bar, sx)
         if _has(cot.filtered_cov):
             Pf_bar += cot.filtered_cov[t]
         # loglik (ll_bar: loglik's and loglik_obs[t]'s), update (X_bar starts from forecast_error_cov[t]'s)
@@ -157,7 +162,7 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad):
         rq_vjp(Grq, system.R[0], system.Q[0], grad.system.R[0], grad.system.Q[0])
     copy_into(abar, grad.a0)
     copy_into(Pbar, grad.P0)
-    keep_alive((ws_own, rw_own))
+    keep_alive((ws_own, rw_own, sx_own))
 
 
 @numba.njit(cache=True, inline="always")
@@ -265,7 +270,7 @@ _MAX_JITTER_SWEEPS = 12
 
 
 @numba.njit(cache=True)
-def _steady_adjoint_run(t, y, system, options, ap, Pp, cot, grad, abar, Pbar, Grq, cache):
+def _steady_adjoint_run(t, y, system, options, ap, Pp, cot, grad, abar, Pbar, Grq, cache, sx):
     """Backward steps t, t-1, ..., s0 of a steady stretch: static system, every component
     observed and ``P_s`` bitwise ``cache.P``, whose update is ``cache``
     (:class:`_SteadyCache`).  ``abar, Pbar``: the cotangents of ``a_{t+1}, P_{t+1}`` in, of
@@ -308,7 +313,7 @@ def _steady_adjoint_run(t, y, system, options, ap, Pp, cot, grad, abar, Pbar, Gr
     if not exact:
         G = _steady_lyapunov_rhs(t, s0, Zt, cache, cot, E, Pbar, sw, sums)
         copy_into(_steady_gs(cache, G), sums.Gs)
-    _steady_flush(Tt, Zt, cache, sums, grad.system.T[0], grad.system.Z[0], grad.system.H[0], Grq)
+    _steady_flush(Tt, Zt, cache, sums, grad.system.T[0], grad.system.Z[0], grad.system.H[0], Grq, sx)
     keep_alive(sw_own)
     return s0 - 1
 
@@ -477,7 +482,7 @@ def _steady_lyapunov_rhs(t, s0, Zt, cache, cot, E, Pbar, sw, sums):
 
 
 @numba.njit(cache=True, inline="always")
-def _steady_flush(Tt, Zt, cache, sums, gT, gZ, gH, Grq):
+def _steady_flush(Tt, Zt, cache, sums, gT, gZ, gH, Grq, sx):
     """Add the covariance-path parameter cotangents of a steady stretch (the sums of
     :func:`_steady_adjoint_run`): the predict reverse with ``G = Gs`` (its R/Q part through
     ``Grq += Gs``, applied once by the caller); with ``S = T^T Gs T + Ss``:
@@ -488,7 +493,7 @@ def _steady_flush(Tt, Zt, cache, sums, gT, gZ, gH, Grq):
     p = Zt.shape[0]
     Gs, Ss, Xs, Ms = sums
     P, K, Pf, j = cache.P, cache.K, cache.Pf, cache.j
-    predict_cov_vjp(Gs, Tt, Pf, gT, Ss, 1.0, np.empty((m, m)))  # Ss <- S
+    predict_cov_vjp(Gs, Tt, Pf, gT, Ss, 1.0, np.empty((m, m)), sx)  # Ss <- S
     Psum = np.empty((m, m))
     for i in range(m):
         for l in range(m):

@@ -18,8 +18,8 @@ import numpy as np
 from iterops._fused import keep_alive
 from iterops._linalg_kernels import copy_into
 from iterops.ts._kalman_steps import (
-    LOG_2PI, fully_observed, innovation, loglik, observe, predict_cov, predict_mean, rqr, static_cov, static_rq,
-    system_at, ti, update_cov, update_mean, update_work, varies_over_time,
+    LOG_2PI, find_structure, fully_observed, innovation, loglik, observe, predict_cov, predict_mean, rqr,
+    static_cov, static_rq, structure, system_at, ti, update_cov, update_mean, update_work, varies_over_time,
 )
 
 __all__ = ["FilterOutputs", "filter_outputs", "kalman_filter_kernel", "filter_into"]
@@ -88,6 +88,9 @@ def filter_into(y, a0, P0, system, options, out):
     RQR = np.empty((m, m))
     static = static_cov(system)
     sum_rq = static_rq(system)
+    sx, sx_own = structure(m, p)  # nonzero indexes of T and Z: once, or every step when one varies
+    find_structure(system.T[0], system.Z[0], sx)
+    restructure = system.T.shape[0] > 1 or system.Z.shape[0] > 1
     if sum_rq:
         rqr(system.R[0], system.Q[0], RQ, RQR)
     steady = False  # P_{t} passed the convergence test at step t - 1
@@ -98,9 +101,11 @@ def filter_into(y, a0, P0, system, options, out):
     while t < n:
         if vary:
             st = system_at(system, t)
+            if restructure:
+                find_structure(st.T, st.Z, sx)
         v, F, af, Pf = out.forecast_error[t], out.forecast_error_cov[t], out.filtered_state[t], out.filtered_cov[t]
         k = observe(ap[t], y[t], st.d, st.Z, options, v, obs)
-        ok, logdet = update_cov(Pp[t], st.Z, st.H, options.jitter, k, ws, F, Pf)
+        ok, logdet = update_cov(Pp[t], st.Z, st.H, options.jitter, k, ws, F, Pf, sx)
         if not ok:  # F_oo not PD: -inf, NaN from here on
             _fail_from(out, t)
             total = -np.inf
@@ -109,7 +114,7 @@ def filter_into(y, a0, P0, system, options, out):
         update_mean(ap[t], v, obs, k, K, af)
         out.loglik_obs[t] = ll
         total += ll
-        predict_mean(af, st.c, st.T, ap[t + 1])
+        predict_mean(af, st.c, st.T, ap[t + 1], sx)
         if steady and k == p:  # freeze the covariance recursion at P_t
             copy_into(Pp[t], Pp[t + 1])
             t, part = _steady_run(t + 1, y, system, options, logdet, L, K, w, out)
@@ -118,10 +123,10 @@ def filter_into(y, a0, P0, system, options, out):
             continue
         if not sum_rq:
             rqr(st.R, st.Q, RQ, RQR)
-        predict_cov(Pf, st.T, RQR, Pp[t + 1], W)
+        predict_cov(Pf, st.T, RQR, Pp[t + 1], W, sx)
         steady = static and k == p and _converged(Pp[t + 1], Pp[t])
         t += 1
-    keep_alive(ws_own)
+    keep_alive((ws_own, sx_own))
     return total
 
 

@@ -18,6 +18,17 @@ and in reverse (given the cotangents ``a'_bar, P'_bar`` of the next prediction):
                     v_o_bar, F_oo_bar and the output cotangent of F)
     observe_vjp  -> a_bar, y_bar, d_bar, Z_bar  (from v_o_bar, Z_o_bar)
 
+Structured systems: :class:`Structure` holds row-wise indexes of the nonzero entries of T, T^T
+and Z (:func:`find_structure`, once per call for static matrices, every step for time-varying
+ones); where T (Z) is finite and at most half nonzero, the products with it in ``predict``
+(``update_cov``) and their reverses skip its zeros (:func:`~iterops._linalg_kernels.spmm`):
+O(m nnz) instead of O(m^3) for the shift, companion and identity blocks of structural, SARIMAX
+and VAR models.  The terms skipped are exact zeros, so the results are the dense products' to
+rounding.  Non-finite values: the dense product makes ``0 * inf = NaN``, a skipped zero would not,
+so a step whose other operand (P_f, sym(P), G) or whose sparse intermediate product has a
+non-finite entry takes the dense product: NaN and -inf propagate exactly as in the dense filter.
+The cotangent of T stays dense (an entry that is 0 at this draw may be a parameter).
+
 Arrays are grouped by role in NamedTuples: :class:`System` (the system matrices), :class:`Options`
 (jitter and missing-value convention), :class:`UpdateWork` (what the update computes and its
 reverse reuses), :class:`ReverseWork`.  A stage takes a work NamedTuple when it uses most of it
@@ -37,11 +48,12 @@ import numba
 import numpy as np
 
 from iterops._linalg_kernels import (
-    SMALL, borrowed, cho_solve_vec, cholesky, matmul, sym_inplace, sym_into,
+    SMALL, all_finite, borrowed, cho_solve_vec, cholesky, matmul, nonzero_index, spmm, sym_inplace, sym_into,
 )
 
 __all__ = [
-    "LOG_2PI", "System", "Options", "UpdateWork", "update_work", "ReverseWork", "reverse_work", "ti", "system_at",
+    "LOG_2PI", "System", "Options", "UpdateWork", "update_work", "ReverseWork", "reverse_work", "Structure",
+    "structure", "find_structure", "ti", "system_at",
     "static_cov", "varies_over_time", "static_rq", "missing", "fully_observed", "observe", "innovation",
     "observe_vjp", "update_cov", "update_mean", "update_vjp", "loglik", "loglik_vjp", "predict_mean", "rqr",
     "predict_cov", "predict_cov_vjp", "rq_vjp", "predict_vjp", "closed_loop",
@@ -135,6 +147,33 @@ def reverse_work(m, p):
         borrowed(P_bar_new),
     )
     return work, own
+
+
+class Structure(NamedTuple):
+    """Nonzero indexes (:func:`~iterops._linalg_kernels.nonzero_index`) of the step's T, T^T and Z,
+    and whether the products with T (``use[0]``) and Z (``use[1]``) skip the zeros."""
+
+    T: np.ndarray  #: (m, m + 1) int64, of T
+    Tt: np.ndarray  #: (m, m + 1) int64, of T^T
+    Z: np.ndarray  #: (p, m + 1) int64, of Z
+    use: np.ndarray  #: (2,) bool
+
+
+@numba.njit(cache=True)
+def structure(m, p):
+    """An uninitialized :class:`Structure` of borrowed arrays (``use`` all False) and their owners."""
+    own = Structure(
+        np.empty((m, m + 1), dtype=np.int64), np.empty((m, m + 1), dtype=np.int64),
+        np.empty((p, m + 1), dtype=np.int64), np.zeros(2, dtype=np.bool_),
+    )
+    return Structure(borrowed(own.T), borrowed(own.Tt), borrowed(own.Z), borrowed(own.use)), own
+
+
+@numba.njit(cache=True)
+def find_structure(Tt, Zt, sx):
+    """Fill ``sx`` (:class:`Structure`) from the step's T and Z."""
+    sx.use[0] = nonzero_index(Tt, sx.T) and nonzero_index(Tt.T, sx.Tt)
+    sx.use[1] = nonzero_index(Zt, sx.Z)
 
 
 # ---------------------------------------------------------------------------
@@ -249,16 +288,26 @@ def observe_vjp(a, k, obs, Zo, vo_bar, Zo_bar, a_bar, gy, gd, gZ):
 
 
 @numba.njit(cache=True)
-def _innovation_cov(Ps, Zt, Ht, jitter, PZ, F):
-    """PZ = Ps Z^T; F = Z Ps Z^T + sym(H) + j I (all p rows, one triangle mirrored)."""
+def _innovation_cov(Ps, Zt, Ht, jitter, PZ, F, sx):
+    """PZ = Ps Z^T; F = Z Ps Z^T + sym(H) + j I (all p rows, one triangle mirrored); Z's zeros
+    skipped when ``sx.use[1]`` and Ps, PZ are finite (:class:`Structure`)."""
     m = Ps.shape[0]
     p = Zt.shape[0]
-    matmul(Ps, Zt.T, PZ)
+    sparse = sx.use[1] and all_finite(Ps)
+    if sparse:  # PZ^T = Z Ps (Ps symmetric)
+        sparse = np.isfinite(spmm(Zt, sx.Z, Ps, PZ.T))
+    if not sparse:
+        matmul(Ps, Zt.T, PZ)
     for i in range(p):
         for jj in range(i, p):
             s = 0.5 * (Ht[i, jj] + Ht[jj, i])
-            for l in range(m):
-                s += Zt[i, l] * PZ[l, jj]
+            if sparse:
+                for q in range(1, sx.Z[i, 0] + 1):
+                    l = sx.Z[i, q]
+                    s += Zt[i, l] * PZ[l, jj]
+            else:
+                for l in range(m):
+                    s += Zt[i, l] * PZ[l, jj]
             F[i, jj] = s
             F[jj, i] = s
         F[i, i] += jitter
@@ -268,7 +317,7 @@ def _innovation_cov(Ps, Zt, Ht, jitter, PZ, F):
 def _filtered_cov(Ps, K, M, k, jitter, Pf):
     """Pf = Ps - K M^T - j K K^T + j I (one triangle, mirrored)."""
     m = Ps.shape[0]
-    if m > SMALL:  # BLAS, then symmetrize
+    if m > SMALL and k > SMALL:  # BLAS, then symmetrize (a rank-k update with small k: loops)
         matmul(K[:, :k], M[:, :k].T, Pf, -1.0, 0.0)
         if jitter != 0.0:
             matmul(K[:, :k], K[:, :k].T, Pf, -jitter, 1.0)
@@ -290,8 +339,9 @@ def _filtered_cov(Ps, K, M, k, jitter, Pf):
 
 
 @numba.njit(cache=True)
-def update_cov(P, Zt, Ht, jitter, k, ws, F, Pf):
-    """Covariance part of the measurement update.  Returns ``(ok, log|F_oo|)``.
+def update_cov(P, Zt, Ht, jitter, k, ws, F, Pf, sx):
+    """Covariance part of the measurement update.  Returns ``(ok, log|F_oo|)``.  ``sx``: the
+    step's :class:`Structure`.
 
     Writes ``F = Z Ps Z^T + sym(H) + j I`` (all p rows), ``Pf = Ps - K M^T - j K K^T + j I`` and
     every :class:`UpdateWork` array but ``w``.  For this (optimal) gain ``Pf`` equals the Joseph
@@ -301,7 +351,7 @@ def update_cov(P, Zt, Ht, jitter, k, ws, F, Pf):
     m = P.shape[0]
     obs, Ps, PZ, Zo, M, L, K, _ = ws
     sym_into(P, Ps)
-    _innovation_cov(Ps, Zt, Ht, jitter, PZ, F)
+    _innovation_cov(Ps, Zt, Ht, jitter, PZ, F, sx)
     for ii in range(k):
         i = obs[ii]
         for l in range(m):
@@ -421,13 +471,19 @@ def loglik_vjp(ll_bar, k, w, Finv, vo_bar, Fo_bar):
 
 
 @numba.njit(cache=True)
-def predict_mean(af, ct, Tt, a_next):
-    """a' = T a_f + c."""
+def predict_mean(af, ct, Tt, a_next, sx):
+    """a' = T a_f + c; T's zeros skipped when ``sx.use[0]`` and a_f is finite (:class:`Structure`)."""
     m = af.shape[0]
+    sparse = sx.use[0] and np.isfinite(np.sum(af))
     for i in range(m):
         s = ct[i]
-        for l in range(m):
-            s += Tt[i, l] * af[l]
+        if sparse:
+            for q in range(1, sx.T[i, 0] + 1):
+                l = sx.T[i, q]
+                s += Tt[i, l] * af[l]
+        else:
+            for l in range(m):
+                s += Tt[i, l] * af[l]
         a_next[i] = s
 
 
@@ -451,9 +507,20 @@ def rqr(Rt, Qt, RQ, out):
 
 
 @numba.njit(cache=True)
-def predict_cov(Pf, Tt, RQR, P_next, W):
-    """P' = T P_f T^T + R sym(Q) R^T for a symmetric ``P_f`` (one triangle, mirrored); ``W`` scratch."""
+def predict_cov(Pf, Tt, RQR, P_next, W, sx):
+    """P' = T P_f T^T + R sym(Q) R^T for a symmetric ``P_f`` (one triangle, mirrored); ``W`` scratch.
+    T's zeros skipped when ``sx.use[0]`` and P_f, T P_f are finite (:class:`Structure`)."""
     m = Pf.shape[0]
+    if sx.use[0] and all_finite(Pf) and np.isfinite(spmm(Tt, sx.T, Pf, W)):
+        for i in range(m):
+            for jj in range(i, m):
+                s = RQR[i, jj]
+                for q in range(1, sx.T[jj, 0] + 1):
+                    l = sx.T[jj, q]
+                    s += W[i, l] * Tt[jj, l]
+                P_next[i, jj] = s
+                P_next[jj, i] = s
+        return
     matmul(Tt, Pf, W)
     if m > SMALL:
         matmul(W, Tt.T, P_next)
@@ -473,9 +540,14 @@ def predict_cov(Pf, Tt, RQR, P_next, W):
 
 
 @numba.njit(cache=True)
-def predict_cov_vjp(G, Tt, Pf, gT, Pf_bar, beta, GT):
+def predict_cov_vjp(G, Tt, Pf, gT, Pf_bar, beta, GT, sx):
     """Reverse of ``P' = T P_f T^T + ...`` for ``G = sym(P'_bar)`` (G and P_f symmetric):
-    ``P_f_bar = T^T G T + beta P_f_bar``, ``T_bar += 2 G T P_f``.  ``GT`` (m, m): scratch."""
+    ``P_f_bar = T^T G T + beta P_f_bar``, ``T_bar += 2 G T P_f`` (dense).  ``GT`` (m, m): scratch.
+    T's zeros skipped when ``sx.use[0]`` and G, G T are finite (:class:`Structure`)."""
+    if sx.use[0] and all_finite(G) and np.isfinite(spmm(Tt.T, sx.Tt, G, GT)):  # GT <- T^T G = (G T)^T
+        spmm(Tt.T, sx.Tt, GT.T, Pf_bar, 1.0, beta)
+        matmul(GT.T, Pf, gT, 2.0, 1.0)
+        return
     matmul(G, Tt, GT)
     matmul(Tt.T, GT, Pf_bar, 1.0, beta)
     matmul(GT, Pf, gT, 2.0, 1.0)
@@ -497,15 +569,16 @@ def rq_vjp(G, Rt, Qt, gR, gQ):
 
 
 @numba.njit(cache=True, inline="always")
-def predict_vjp(a_bar, P_bar, af, Pf, st, gst, sum_rq, Grq, G, W, Pf_bar, af_bar):
+def predict_vjp(a_bar, P_bar, af, Pf, st, gst, sum_rq, Grq, G, W, Pf_bar, af_bar, sx):
     """Reverse of :func:`predict_mean` and :func:`predict_cov` for the cotangents ``a_bar``,
     ``P_bar`` of ``a'``, ``P'``: ``Pf_bar = T^T G T`` with ``G = sym(P_bar)``, ``af_bar += T^T a_bar``;
     ``c_bar += a_bar``, ``T_bar += a_bar a_f^T + 2 G T P_f`` and the R, Q cotangents, or
     ``Grq += G`` when ``sum_rq`` (static R, Q: :func:`rq_vjp` once, on the sum).
-    ``st``/``gst``: the step's matrices and their cotangents (:func:`system_at`); ``W`` scratch."""
+    ``st``/``gst``: the step's matrices and their cotangents (:func:`system_at`), ``sx`` the
+    step's :class:`Structure`; ``W`` scratch."""
     m = af.shape[0]
     sym_into(P_bar, G)
-    predict_cov_vjp(G, st.T, Pf, gst.T, Pf_bar, 0.0, W)
+    predict_cov_vjp(G, st.T, Pf, gst.T, Pf_bar, 0.0, W, sx)
     if sum_rq:
         for i in range(m):
             for l in range(m):

@@ -92,6 +92,14 @@ O(m p + m^2) mean path runs per step, with or without jitter
 (:func:`iterops.ts._kalman_adjoint._steady_adjoint_run`).  The gradient Op itself
 is not differentiable (second derivatives raise).
 
+Structured systems: the zeros of ``T`` and ``Z`` (the shift, companion and identity blocks of
+structural, SARIMAX and VAR models, block-diagonal components, zero columns) are found once per
+call from the values (every step for a time-varying matrix); where one is finite and at most half
+nonzero, the products with it (``T P_f T^T``, ``T a_f``, ``Z P Z^T`` and their reverses) skip them,
+O(m nnz) instead of O(m^3).  Results are the dense products' to rounding, failures included: a step
+whose covariance (or cotangent) holds inf or NaN takes the dense product, where ``0 * inf = NaN``
+(:mod:`iterops.ts._kalman_steps`).  The gradient w.r.t. ``T`` stays dense.
+
 Exact diffuse initialization (``kalman_filter(..., diffuse=mask_or_P_inf)``): Durbin & Koopman's exact
 initial Kalman filter with ``P_1 = P0 + kappa P_inf``, ``kappa -> infinity``, as statsmodels'
 ``initialization='diffuse'`` computes it (equations, log-likelihood convention and outputs of the diffuse

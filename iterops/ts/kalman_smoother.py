@@ -39,7 +39,8 @@ from iterops._fused import F64P, data_ptr, entry_point, keep_alive, opaque_kerne
 from iterops._linalg_kernels import cho_inverse, copy_into, matmul, sym_inplace
 from iterops.ts._kalman_filter import kalman_filter_kernel
 from iterops.ts._kalman_steps import (
-    Options, closed_loop, loglik, observe, system_at, update_cov, update_work, varies_over_time,
+    Options, closed_loop, find_structure, loglik, observe, structure, system_at, update_cov, update_work,
+    varies_over_time,
 )
 from iterops.ts.kalman import (
     F64, I64, I64P, IN_SIG, KalmanOpBase, apply_kalman_op, check_shapes, contiguous, input_sizes,
@@ -76,12 +77,15 @@ def kalman_smoother_kernel(y, a0, P0, system, options):
     r, r_new, N = np.zeros(m), np.empty(m), np.zeros((m, m))
     vary = varies_over_time(system)
     st = system_at(system, 0)  # step t's matrices
+    sx, sx_own = structure(m, p)  # Z's zeros skipped in update_cov as in the filter (bitwise its gain)
+    find_structure(st.T, st.Z, sx)
     for t in range(n - 1, -1, -1):
         if vary:
             st = system_at(system, t)
+            find_structure(st.T, st.Z, sx)
         P = Pp[t]
         k = observe(ap[t], y[t], st.d, st.Z, options, v, obs)
-        _, logdet = update_cov(P, st.Z, st.H, options.jitter, k, ws, F, Pf)
+        _, logdet = update_cov(P, st.Z, st.H, options.jitter, k, ws, F, Pf, sx)
         loglik(v, obs, k, logdet, L, w)  # w = F_oo^{-1} v_o
         cho_inverse(L, k, Finv)
         closed_loop(K, Zo, k, A)
@@ -113,7 +117,7 @@ def kalman_smoother_kernel(y, a0, P0, system, options):
             for j in range(m):
                 P_s[t, i, j] = P[i, j] - P_s[t, i, j]
         sym_inplace(P_s[t])
-    keep_alive(ws_own)
+    keep_alive((ws_own, sx_own))
     return a_s, P_s
 
 
