@@ -178,6 +178,16 @@ def gradient_fns(jitter):
     return _GRAD_FNS[jitter]
 
 
+def assert_loglik_grads_close(out_ours, out_theirs):
+    """``[weighted sum, d/da0, d/dP0, ...]`` of :func:`gradient_fns`' two functions agree (P0, H, Q: symmetric parts)."""
+    np.testing.assert_allclose(out_ours[0], out_theirs[0], rtol=1e-9)
+    for name, g_ours, g_theirs in zip(INPUTS[1:], out_ours[1:], out_theirs[1:]):
+        if name in ("P0", "H", "Q"):  # read through sym() by us, raw by the Scan: compare symmetric parts
+            g_ours, g_theirs = 0.5 * (g_ours + g_ours.T), 0.5 * (g_theirs + g_theirs.T)
+        scale = np.max(np.abs(g_theirs))
+        np.testing.assert_allclose(g_ours, g_theirs, rtol=1e-7, atol=1e-9 * scale, err_msg=f"d/d{name}")
+
+
 @pytest.mark.parametrize(
     "jitter, n, cotangents, min_frozen",
     [
@@ -203,12 +213,7 @@ def test_jitter_gradient_matches_autodiff_of_pymc_extras(jitter, n, cotangents, 
     out_ours = fn_ours(*args_of(model), *weights)
     out_theirs = fn_theirs(*args_of(model), *weights)
     assert frozen_steps(out_ours.pop()) >= min_frozen  # the steady-state paths are what is tested
-    np.testing.assert_allclose(out_ours[0], out_theirs[0], rtol=1e-9)
-    for name, g_ours, g_theirs in zip(INPUTS[1:], out_ours[1:], out_theirs[1:]):
-        if name in ("P0", "H", "Q"):  # read through sym() by us, raw by the Scan: compare symmetric parts
-            g_ours, g_theirs = 0.5 * (g_ours + g_ours.T), 0.5 * (g_theirs + g_theirs.T)
-        scale = np.max(np.abs(g_theirs))
-        np.testing.assert_allclose(g_ours, g_theirs, rtol=1e-7, atol=1e-9 * scale, err_msg=f"d/d{name}")
+    assert_loglik_grads_close(out_ours, out_theirs)
 
 
 @pytest.mark.parametrize("jitter", [1e-2, 0.5])
