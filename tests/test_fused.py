@@ -224,7 +224,10 @@ def test_kernels_cache_in_one_place_without_numba_cache_dir(tmp_path):
     env["ITEROPS_CACHE_DIR"] = str(tmp_path / "numba")
     # a cold PyTensor cache, so the graph is compiled (a cached graph would not need the kernel's cache)
     env["PYTENSOR_FLAGS"] = f"base_compiledir={tmp_path / 'pytensor'}"
+    # the graph inlines block_diag's kernel (inline="always"); calling the kernel compiles it on its own
     code = ("import numpy as np, pytensor, pytensor.tensor as pt, iterops\n"
+            "from iterops.linalg.block_diag import block_diag_kernel\n"
+            "block_diag_kernel(np.ones((2, 1, 1)), np.zeros((2, 2)))\n"
             "x = pt.tensor3('x'); print(pytensor.function([x], iterops.block_diag(x))(np.ones((2, 1, 1))).sum())")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
