@@ -317,9 +317,10 @@ def _dfm(m, p, n, seed=0, tv_h=False):
     return model
 
 
-def _update_fns(tv):
-    """Compiled ``kalman_filter(...).loglik`` for univariate False / True / "auto", unknown sizes (one
-    compile serves every case); and the loglik + gradient for False / True."""
+def _update_fns(tv, with_F=False):
+    """Compiled ``kalman_filter(...).loglik`` (and ``forecast_error_cov`` when ``with_F``) for univariate
+    False / True / "auto", unknown sizes (one compile serves every case); and the loglik + gradient for
+    False / True."""
     from iterops.ts import kalman_filter
 
     nd = dict(y=2, a0=1, P0=2, c=1, d=1, T=2, Z=2, R=2, H=2 + ("H" in tv), Q=2)
@@ -327,7 +328,8 @@ def _update_fns(tv):
     fwd, grad = {}, {}
     for uni in (False, True, "auto"):
         res = kalman_filter(*ins[:3], **dict(zip(NAMES[3:], ins[3:])), time_varying=tv, univariate=uni)
-        fwd[uni] = pytensor.function(ins, res.loglik, trust_input=True)
+        fwd[uni] = pytensor.function(ins, [res.loglik, res.forecast_error_cov] if with_F else res.loglik,
+                                     trust_input=True)
         if uni != "auto":
             grad[uni] = pytensor.function(ins, [res.loglik, *pytensor.grad(res.loglik, ins[1:])], trust_input=True)
     return fwd, grad
@@ -360,18 +362,18 @@ def run_univariate(quick: bool = False) -> list[Section]:
         notes=(
             f"Dynamic factor models (`_dfm`: m AR(1) factors, p series, diagonal H), n={n}, H time-varying so that "
             "every step runs the update (no steady state).  Each entry: forward time of `kalman_filter(..., "
-            "univariate=False)` / `univariate=True` (> 1: the univariate update is faster), measured side by side; "
-            "in parentheses the same with a static H (the steady-state shortcut then runs most steps).  "
-            "`univariate='auto'` takes the univariate update where `prefers_univariate(m, p)` (p >= 4 and 2 p >= m)."
+            "univariate=False).loglik` / `univariate=True` (> 1: the univariate update is faster), measured side by "
+            "side; in parentheses the same when `forecast_error_cov` is an output too (the univariate steps then "
+            "compute it).  `univariate='auto'` takes the univariate update where `prefers_univariate(m, p, need_F)`."
         ),
     )
-    tv_fns, st_fns = _update_fns(("H",)), _update_fns(())
+    tv_fns, tvF_fns, st_fns = _update_fns(("H",)), _update_fns(("H",), with_F=True), _update_fns(())
     for m in ms_:
         row = [f"m={m}"]
         for p in ps_:
             ratios = []
-            for fns, tv_h in ((tv_fns, True), (st_fns, False)):
-                args = [_dfm(m, p, n, tv_h=tv_h)[k] for k in NAMES]
+            args = [_dfm(m, p, n, tv_h=True)[k] for k in NAMES]
+            for fns in (tv_fns, tvF_fns):
                 t = {uni: best_time(fns[0][uni], *args, min_time=min_time, repeat=repeat) for uni in (False, True)}
                 ratios.append(t[False] / t[True])
             row.append(f"{ratios[0]:.2f} ({ratios[1]:.2f})")

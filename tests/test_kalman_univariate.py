@@ -8,6 +8,8 @@ the dense filter's ``np.linalg.cholesky`` for the failing step; PyTensor autodif
 ``StandardFilter`` Scan (compiled without iterops' rewrites) and finite differences for the gradient.
 """
 
+import itertools
+
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
@@ -19,7 +21,7 @@ from statsmodels.tsa.statespace.kalman_filter import KalmanFilter as SMKalmanFil
 from test_kalman import FIELDS, NAMES, kf, model_args, random_model, symbolic_inputs
 from test_kalman_steady import assert_loglik_grads_close, dense_filter, gradient_fns
 
-from iterops.ts.kalman import _choose_update, kalman_filter
+from iterops.ts.kalman import KalmanFilter, _choose_update, kalman_filter
 
 SM_NAMES = dict(c="state_intercept", d="obs_intercept", T="transition", Z="design", R="selection", H="obs_cov",
                 Q="state_cov")
@@ -48,8 +50,9 @@ def statsmodels_filter(model, tv=(), univariate=False):
 
 
 def assert_matches_statsmodels(out, model, tv=(), rtol=1e-8, atol=1e-8):
-    """Every output against statsmodels' conventional filter, the first six also against its univariate one."""
-    for univariate, names in ((False, FIELDS), (True, COMMON)):
+    """Every output (of the ``len(out)`` first) against statsmodels' conventional filter, the first six also
+    against its univariate one."""
+    for univariate, names in ((False, FIELDS[:len(out)]), (True, COMMON)):
         ref = statsmodels_filter(model, tv, univariate)
         for name in names:
             np.testing.assert_allclose(
@@ -61,16 +64,22 @@ def assert_matches_statsmodels(out, model, tv=(), rtol=1e-8, atol=1e-8):
 _FNS = {}
 
 
-def filter_fn(tv=(), univariate=True, jitter=0.0, batch=0):
+def filter_fn(tv=(), univariate=True, jitter=0.0, batch=0, n_out=8):
     """A compiled ``kalman_filter`` of unknown sizes (one per option set), Python linker (``perform``
-    runs the same kernel as the Numba linker)."""
-    key = (tuple(tv), univariate, jitter, batch)
+    runs the same kernel as the Numba linker); outputs: the first ``n_out`` (7: ``forecast_error_cov``
+    unused, so the rewrite ``kalman_unused_forecast_cov`` skips it)."""
+    key = (tuple(tv), univariate, jitter, batch, n_out)
     if key not in _FNS:
         ins = symbolic_inputs({}, tv, batch)
-        _FNS[key] = pytensor.function(
-            ins, list(kf(ins, time_varying=tv, univariate=univariate, cov_jitter=jitter)), mode="FAST_COMPILE"
-        )
+        outs = list(kf(ins, time_varying=tv, univariate=univariate, cov_jitter=jitter))[:n_out]
+        _FNS[key] = pytensor.function(ins, outs, mode="FAST_COMPILE")
     return _FNS[key]
+
+
+def kalman_ops(fn):
+    """The KalmanFilter core Ops of a compiled function."""
+    ops = [node.op for node in fn.maker.fgraph.toposort()]
+    return [getattr(op, "core_op", op) for op in ops if type(getattr(op, "core_op", op)) is KalmanFilter]
 
 
 def dfm(rng, m, p, n, missing=True):
@@ -109,14 +118,18 @@ def structural(rng, p, n):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("n_out", [8, 7], ids=["F-used", "F-unused"])
 @pytest.mark.parametrize("univariate", [True, "auto"])
 @pytest.mark.parametrize("m, p", [(2, 8), (4, 16), (3, 12)])
-def test_dynamic_factor_model_matches_statsmodels(univariate, m, p):
-    """(a) + (c): partly missing rows (``random_model``: rows 1 and n-2) and a fully missing row."""
+def test_dynamic_factor_model_matches_statsmodels(univariate, m, p, n_out):
+    """(a) + (c): partly missing rows (``random_model``: rows 1 and n-2) and a fully missing row; with and
+    without ``forecast_error_cov`` among the outputs (the univariate steps skip it when unused)."""
     rng = np.random.default_rng(m * 100 + p)
     model = dfm(rng, m, p, 60)
     model["y"][10, ::3] = np.nan
-    assert_matches_statsmodels(filter_fn(univariate=univariate)(*model_args(model)), model)
+    fn = filter_fn(univariate=univariate, n_out=n_out)
+    assert [op.forecast_cov for op in kalman_ops(fn)] == [n_out == 8]
+    assert_matches_statsmodels(fn(*model_args(model)), model)
 
 
 def test_structural_multiseries_matches_statsmodels():
@@ -162,12 +175,15 @@ def test_jitter_matches_dense_pymc_extras_arithmetic(jitter):
         np.testing.assert_allclose(ours, ref, rtol=1e-8, atol=1e-9, equal_nan=True, err_msg=name)
 
 
-def test_batched_matches_statsmodels_per_series():
-    """(f): a batch of three models with different (diagonal) H and data."""
+@pytest.mark.parametrize("n_out", [8, 7], ids=["F-used", "F-unused"])
+def test_batched_matches_statsmodels_per_series(n_out):
+    """(f): a batch of three models with different (diagonal) H and data (a Blockwise)."""
     rng = np.random.default_rng(5)
     models = [dfm(rng, 2, 9, 30) for _ in range(3)]
     stacked = [np.stack([mod[k] for mod in models]) for k in ("y", "a0", "P0", *NAMES)]
-    out = filter_fn(batch=1)(*stacked)
+    fn = filter_fn(batch=1, n_out=n_out)
+    assert [op.forecast_cov for op in kalman_ops(fn)] == [n_out == 8]
+    out = fn(*stacked)
     for b, model in enumerate(models):
         assert_matches_statsmodels([o[b] for o in out], model)
 
@@ -245,12 +261,12 @@ def test_auto_takes_the_path_choose_update_names():
     assert _choose_update(3, 12, np.ones((12, 12))) == "multivariate"
     assert _choose_update(14, 4, np.eye(4), True) == "univariate"
     assert _choose_update(3, 12, np.eye(12), False) == "multivariate"
-    for m, p in ((3, 12), (2, 8), (14, 4), (8, 4)):
+    for (m, p), n_out in itertools.product(((3, 12), (2, 8), (14, 4), (8, 4), (20, 8)), (7, 8)):
         model = dfm(rng, m, p, 30)
         args = model_args(model)
-        outs = {u: filter_fn(univariate=u)(*args) for u in (True, False, "auto")}
+        outs = {u: filter_fn(univariate=u, n_out=n_out)(*args) for u in (True, False, "auto")}
         assert not np.array_equal(outs[True][3], outs[False][3])  # the two paths round differently
-        chosen = _choose_update(m, p, model["H"]) == "univariate"
+        chosen = _choose_update(m, p, model["H"], forecast_cov=n_out == 8) == "univariate"
         for a, b in zip(outs["auto"], outs[chosen]):
             np.testing.assert_array_equal(a, b)
 

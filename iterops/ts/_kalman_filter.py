@@ -49,7 +49,7 @@ def filter_outputs(n, m, p):
 
 
 @numba.njit(cache=True)
-def kalman_filter_kernel(y, a0, P0, system, options, univariate=MULTIVARIATE):
+def kalman_filter_kernel(y, a0, P0, system, options, univariate=MULTIVARIATE, need_F=True):
     """Forward filter for one series: float64 arrays, ``system`` a :class:`iterops.ts._kalman_steps.System` with
     leading time axes, ``options`` an :class:`iterops.ts._kalman_steps.Options`.
 
@@ -63,8 +63,9 @@ def kalman_filter_kernel(y, a0, P0, system, options, univariate=MULTIVARIATE):
     on the steps where sym(H_t) is diagonal (checked once for a static H, every step for a
     time-varying one): always (``UNIVARIATE``) or where
     :func:`~iterops.ts._kalman_steps.prefers_univariate` says it is faster for (m, p) (``AUTO``).
-    Both give the same outputs to rounding (``F`` is computed in full either way, for the output)
-    and fail at the same steps.  The step that enters a steady state takes the multivariate update,
+    Both give the same outputs to rounding (``F`` is computed in full either way, for the output,
+    unless ``need_F`` is False: then univariate steps leave ``forecast_error_cov`` NaN) and fail at
+    the same steps.  The step that enters a steady state takes the multivariate update,
     whose Cholesky factor and gain the steady-state loop reuses.
 
     Steady state (as statsmodels): when T, Z, R, H, Q are static, every component
@@ -80,11 +81,11 @@ def kalman_filter_kernel(y, a0, P0, system, options, univariate=MULTIVARIATE):
     """
     n, p = y.shape
     out = filter_outputs(n, a0.shape[0], p)
-    return filter_into(y, a0, P0, system, options, out, univariate), out
+    return filter_into(y, a0, P0, system, options, out, univariate, need_F), out
 
 
 @numba.njit(cache=True, inline="always")
-def filter_into(y, a0, P0, system, options, out, univariate):
+def filter_into(y, a0, P0, system, options, out, univariate, need_F):
     """:func:`kalman_filter_kernel` writing into preallocated :class:`FilterOutputs`; returns the log-likelihood."""
     n, p = y.shape
     m = a0.shape[0]
@@ -107,7 +108,7 @@ def filter_into(y, a0, P0, system, options, out, univariate):
     steady = False  # P_{t} passed the convergence test at step t - 1
     vary = varies_over_time(system)
     st = system_at(system, 0)  # step t's matrices
-    uni = univariate == UNIVARIATE or (univariate == AUTO and prefers_univariate(m, p))
+    uni = univariate == UNIVARIATE or (univariate == AUTO and prefers_univariate(m, p, need_F))
     uni_h = uni and diagonal(st.H)  # H diagonal at this step (static H: once)
     total = 0.0
     ll = logdet = 0.0
@@ -122,8 +123,11 @@ def filter_into(y, a0, P0, system, options, out, univariate):
         v, F, af, Pf = out.forecast_error[t], out.forecast_error_cov[t], out.filtered_state[t], out.filtered_cov[t]
         k = observe(ap[t], y[t], st.d, st.Z, options, v, obs)
         if uni_h and not steady:  # F for the output only; the update one component at a time
-            sym_into(Pp[t], ws.Ps)
-            _innovation_cov(ws.Ps, st.Z, st.H, options.jitter, ws.PZ, F, sx)
+            if need_F:
+                sym_into(Pp[t], ws.Ps)
+                _innovation_cov(ws.Ps, st.Z, st.H, options.jitter, ws.PZ, F, sx)
+            else:
+                F[:, :] = np.nan
             ok, ll = update_univariate(ap[t], Pp[t], v, st.Z, st.H, options.jitter, k, ws, af, Pf, sx)
         else:
             ok, logdet = update_cov(Pp[t], st.Z, st.H, options.jitter, k, ws, F, Pf, sx)

@@ -380,10 +380,15 @@ MULTIVARIATE, AUTO, UNIVARIATE = 0, 1, 2
 
 
 @numba.njit(cache=True)
-def prefers_univariate(m, p):
+def prefers_univariate(m, p, need_F):
     """The automatic rule: the univariate update is faster than the multivariate one for m states and p
-    observables (measured with ``benchmarks/bench_kalman.py``'s crossover table)."""
-    return p >= 4 and 2 * p >= m
+    observables, when the output ``F`` is (``need_F``) or is not computed (``benchmarks/bench_kalman.py``'s
+    crossover table).  Flops of a step's update: univariate ``1.5 k m^2`` (+ ``m^2 k + m k^2 / 2`` for F),
+    multivariate ``1.5 m^2 k + 1.5 m k^2 + k^3 / 6`` (F included); above m = 16 the multivariate update's
+    BLAS products win.  One observable: the same work."""
+    if need_F:
+        return p >= 2 and 6 * p >= 5 * m
+    return p >= 2 and m <= 16
 
 
 @numba.njit(cache=True)
@@ -431,9 +436,13 @@ def update_univariate(a, P, v, Zt, Ht, jitter, k, ws, af, Pf, sx):
         f = Ht[i, i] + jitter
         for l in range(m):  # u = P_f Z_i^T
             s = 0.0
-            for q in range(nz):
-                c = sx.Z[i, q + 1] if sparse else q
-                s += Pf[l, c] * Zt[i, c]
+            if sparse:
+                for q in range(nz):
+                    c = sx.Z[i, q + 1]
+                    s += Pf[l, c] * Zt[i, c]
+            else:
+                for c in range(m):
+                    s += Pf[l, c] * Zt[i, c]
             u[l] = s
         for q in range(nz):
             c = sx.Z[i, q + 1] if sparse else q
