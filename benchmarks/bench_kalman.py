@@ -2,7 +2,9 @@
 
 Cases: a small multivariate model (m=4, p=2, n=500), a larger one (m=20, p=5, n=200) and a long
 univariate local level (n=10,000); then real model matrices (structural, SARIMAX, VAR, dense m=20)
-with pymc-extras' arithmetic (``cov_jitter=1e-8``): :func:`run_real_models`.
+with pymc-extras' arithmetic (``cov_jitter=1e-8``): :func:`run_real_models`; then the univariate
+measurement update (``kalman_filter(univariate=...)``): the crossover grid its automatic rule comes
+from and dynamic factor models, :func:`run_univariate`.
 All PyTensor functions compile in PyTensor's default mode (Numba linker).
 """
 
@@ -130,7 +132,7 @@ def run(quick: bool = False) -> list[Section]:
             Target(f"{label}: forward+gradient vs pymc-extras", tg_theirs / tg, 25.0),
             Target(f"{label}: compile time, pymc-extras / iterops", t_theirs / t_ours, 10.0),
         ]
-    return [sec, run_real_models(quick)]
+    return [sec, run_real_models(quick), *run_univariate(quick)]
 
 
 # ---------------------------------------------------------------------------
@@ -296,3 +298,113 @@ def run_real_models(quick: bool = False) -> Section:
         if label.startswith("dense"):
             sec.targets.append(Target("dense m=20: flop estimate / forward (>= 1/1.5)", t_flops / tf, 1 / 1.5))
     return sec
+
+
+# ---------------------------------------------------------------------------
+# Univariate measurement update (issue 18): crossover of kalman_filter(univariate=True / False)
+# ---------------------------------------------------------------------------
+
+
+def _dfm(m, p, n, seed=0, tv_h=False):
+    """A dynamic factor model: m AR factors (diagonal T), p series loading on all of them, diagonal H
+    (``tv_h``: H time-varying, so that the covariance never freezes and every step runs the update)."""
+    rng = np.random.default_rng(seed)
+    model = _model(m, p, n, seed)
+    model["T"] = np.diag(rng.uniform(0.3, 0.9, m))
+    model["H"] = np.diag(rng.uniform(0.2, 1.0, p))
+    if tv_h:
+        model["H"] = model["H"] * (1.0 + 0.1 * rng.random(size=(n, 1, 1)))
+    return model
+
+
+def _update_fns(tv, with_F=False):
+    """Compiled ``kalman_filter(...).loglik`` (and ``forecast_error_cov`` when ``with_F``) for univariate
+    False / True / "auto", unknown sizes (one compile serves every case); and the loglik + gradient for
+    False / True."""
+    from iterops.ts import kalman_filter
+
+    nd = dict(y=2, a0=1, P0=2, c=1, d=1, T=2, Z=2, R=2, H=2 + ("H" in tv), Q=2)
+    ins = [pt.tensor(name=k, dtype="float64", shape=(None,) * nd[k]) for k in NAMES]
+    fwd, grad = {}, {}
+    for uni in (False, True, "auto"):
+        res = kalman_filter(*ins[:3], **dict(zip(NAMES[3:], ins[3:])), time_varying=tv, univariate=uni)
+        fwd[uni] = pytensor.function(ins, [res.loglik, res.forecast_error_cov] if with_F else res.loglik,
+                                     trust_input=True)
+        if uni != "auto":
+            grad[uni] = pytensor.function(ins, [res.loglik, *pytensor.grad(res.loglik, ins[1:])], trust_input=True)
+    return fwd, grad
+
+
+def _statsmodels_univariate(model):
+    """statsmodels' ``loglike`` with its univariate filter (static H)."""
+    from statsmodels.tsa.statespace.kalman_filter import KalmanFilter
+
+    y = model["y"]
+    n, p = y.shape
+    m = model["a0"].shape[0]
+    kf = KalmanFilter(k_endog=p, k_states=m, k_posdef=m)
+    kf.bind(np.asfortranarray(y.T))
+    for k, name in dict(T="transition", Z="design", R="selection", H="obs_cov", Q="state_cov").items():
+        kf[name] = model[k]
+    kf.initialize_known(model["a0"], model["P0"])
+    kf.filter_univariate = True
+    return kf.loglike
+
+
+def run_univariate(quick: bool = False) -> list[Section]:
+    min_time = 0.02 if quick else 0.1
+    repeat = 3 if quick else 5
+    n = 200
+    ms_, ps_ = (2, 4, 8, 14, 20), (1, 2, 4, 8, 16)
+    grid = Section(
+        title="Kalman filter: univariate vs multivariate measurement update (forward time ratio)",
+        columns=["m \\ p", *(f"p={p}" for p in ps_)],
+        notes=(
+            f"Dynamic factor models (`_dfm`: m AR(1) factors, p series, diagonal H), n={n}, H time-varying so that "
+            "every step runs the update (no steady state).  Each entry: forward time of `kalman_filter(..., "
+            "univariate=False).loglik` / `univariate=True` (> 1: the univariate update is faster), measured side by "
+            "side; in parentheses the same when `forecast_error_cov` is an output too (the univariate steps then "
+            "compute it).  `univariate='auto'` takes the univariate update where `prefers_univariate(m, p, need_F)`."
+        ),
+    )
+    tv_fns, tvF_fns, st_fns = _update_fns(("H",)), _update_fns(("H",), with_F=True), _update_fns(())
+    for m in ms_:
+        row = [f"m={m}"]
+        for p in ps_:
+            ratios = []
+            args = [_dfm(m, p, n, tv_h=True)[k] for k in NAMES]
+            for fns in (tv_fns, tvF_fns):
+                t = {uni: best_time(fns[0][uni], *args, min_time=min_time, repeat=repeat) for uni in (False, True)}
+                ratios.append(t[False] / t[True])
+            row.append(f"{ratios[0]:.2f} ({ratios[1]:.2f})")
+        grid.rows.append(row)
+    dfm = Section(
+        title="Kalman filter: dynamic factor models, univariate measurement update",
+        columns=[
+            "case", "statsmodels fwd (ms)", "statsmodels univariate fwd (ms)", "iterops multivariate fwd (ms)",
+            "iterops univariate fwd (ms)", "iterops auto fwd (ms)", "iterops multivariate f+g (ms)",
+            "iterops univariate f+g (ms)", "fwd: multivariate / univariate", "f+g: multivariate / univariate",
+        ],
+        notes=(
+            "n=200, static diagonal H (`_dfm`), known initialization.  statsmodels: `KalmanFilter.loglike`, "
+            "conventional and `filter_univariate = True`.  iterops: `kalman_filter(..., univariate=False | True | "
+            "'auto').loglik`, + `pytensor.grad` w.r.t. a0, P0 and the system matrices (the adjoint is the same for "
+            "both: it recomputes each step's multivariate update from the stored predictions)."
+        ),
+    )
+    for label, m, p in (("DFM m=3, p=12", 3, 12), ("m=14, p=4", 14, 4)):
+        model = _dfm(m, p, n)
+        args = [model[k] for k in NAMES]
+        sm, smu = _statsmodels(model), _statsmodels_univariate(model)
+        ll = {uni: float(st_fns[0][uni](*args)) for uni in (False, True, "auto")}
+        for v in (smu(), *ll.values()):
+            assert abs(v - sm()) <= 1e-8 * abs(sm()), (label, sm(), v)
+        t = {k: best_time(f, min_time=min_time, repeat=repeat) for k, f in (("sm", sm), ("smu", smu))}
+        for uni in (False, True, "auto"):
+            t[uni] = best_time(st_fns[0][uni], *args, min_time=min_time, repeat=repeat)
+        tg = {uni: best_time(st_fns[1][uni], *args, min_time=min_time, repeat=repeat) for uni in (False, True)}
+        dfm.rows.append([
+            label, ms(t["sm"]), ms(t["smu"]), ms(t[False]), ms(t[True]), ms(t["auto"]), ms(tg[False]), ms(tg[True]),
+            t[False] / t[True], tg[False] / tg[True],
+        ])
+    return [grid, dfm]

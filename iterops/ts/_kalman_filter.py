@@ -16,10 +16,11 @@ import numba
 import numpy as np
 
 from iterops._fused import keep_alive
-from iterops._linalg_kernels import copy_into
+from iterops._linalg_kernels import copy_into, sym_into
 from iterops.ts._kalman_steps import (
-    LOG_2PI, find_structure, fully_observed, innovation, loglik, observe, predict_cov, predict_mean, rqr,
-    static_cov, static_rq, structure, system_at, ti, update_cov, update_mean, update_work, varies_over_time,
+    AUTO, LOG_2PI, MULTIVARIATE, UNIVARIATE, _innovation_cov, diagonal, find_structure, fully_observed, innovation,
+    loglik, observe, predict_cov, predict_mean, prefers_univariate, rqr, static_cov, static_rq, structure,
+    system_at, ti, update_cov, update_mean, update_univariate, update_work, varies_over_time,
 )
 
 __all__ = ["FilterOutputs", "filter_outputs", "kalman_filter_kernel", "filter_into"]
@@ -48,13 +49,24 @@ def filter_outputs(n, m, p):
 
 
 @numba.njit(cache=True)
-def kalman_filter_kernel(y, a0, P0, system, options):
+def kalman_filter_kernel(y, a0, P0, system, options, univariate=MULTIVARIATE, need_F=True):
     """Forward filter for one series: float64 arrays, ``system`` a :class:`iterops.ts._kalman_steps.System` with
     leading time axes, ``options`` an :class:`iterops.ts._kalman_steps.Options`.
 
     Shapes: y (n, p); a0 (m,); P0 (m, m); c (tc, m); d (td, p); T (tT, m, m); Z (tZ, p, m);
     R (tR, m, r); H (tH, p, p); Q (tQ, r, r) with each t* in {1, n}.
     Returns ``(loglik, FilterOutputs)``.
+
+    Measurement update: ``univariate`` (``MULTIVARIATE``, ``AUTO``, ``UNIVARIATE`` of
+    :mod:`iterops.ts._kalman_steps`) chooses :func:`~iterops.ts._kalman_steps.update_univariate`
+    (one observed component at a time) over the multivariate :func:`~iterops.ts._kalman_steps.update_cov`
+    on the steps where sym(H_t) is diagonal (checked once for a static H, every step for a
+    time-varying one): always (``UNIVARIATE``) or where
+    :func:`~iterops.ts._kalman_steps.prefers_univariate` says it is faster for (m, p) (``AUTO``).
+    Both give the same outputs to rounding (``F`` is computed in full either way, for the output,
+    unless ``need_F`` is False: then univariate steps leave ``forecast_error_cov`` NaN) and fail at
+    the same steps.  The step that enters a steady state takes the multivariate update,
+    whose Cholesky factor and gain the steady-state loop reuses.
 
     Steady state (as statsmodels): when T, Z, R, H, Q are static, every component
     is observed and the predicted covariance has converged
@@ -69,11 +81,11 @@ def kalman_filter_kernel(y, a0, P0, system, options):
     """
     n, p = y.shape
     out = filter_outputs(n, a0.shape[0], p)
-    return filter_into(y, a0, P0, system, options, out), out
+    return filter_into(y, a0, P0, system, options, out, univariate, need_F), out
 
 
 @numba.njit(cache=True, inline="always")
-def filter_into(y, a0, P0, system, options, out):
+def filter_into(y, a0, P0, system, options, out, univariate, need_F):
     """:func:`kalman_filter_kernel` writing into preallocated :class:`FilterOutputs`; returns the log-likelihood."""
     n, p = y.shape
     m = a0.shape[0]
@@ -96,22 +108,36 @@ def filter_into(y, a0, P0, system, options, out):
     steady = False  # P_{t} passed the convergence test at step t - 1
     vary = varies_over_time(system)
     st = system_at(system, 0)  # step t's matrices
+    uni = univariate == UNIVARIATE or (univariate == AUTO and prefers_univariate(m, p, need_F))
+    uni_h = uni and diagonal(st.H)  # H diagonal at this step (static H: once)
     total = 0.0
+    ll = logdet = 0.0
     t = 0
     while t < n:
         if vary:
             st = system_at(system, t)
             if restructure:
                 find_structure(st.T, st.Z, sx)
+            if uni and system.H.shape[0] > 1:
+                uni_h = diagonal(st.H)
         v, F, af, Pf = out.forecast_error[t], out.forecast_error_cov[t], out.filtered_state[t], out.filtered_cov[t]
         k = observe(ap[t], y[t], st.d, st.Z, options, v, obs)
-        ok, logdet = update_cov(Pp[t], st.Z, st.H, options.jitter, k, ws, F, Pf, sx)
+        if uni_h and not steady:  # F for the output only; the update one component at a time
+            if need_F:
+                sym_into(Pp[t], ws.Ps)
+                _innovation_cov(ws.Ps, st.Z, st.H, options.jitter, ws.PZ, F, sx)
+            else:
+                F[:, :] = np.nan
+            ok, ll = update_univariate(ap[t], Pp[t], v, st.Z, st.H, options.jitter, k, ws, af, Pf, sx)
+        else:
+            ok, logdet = update_cov(Pp[t], st.Z, st.H, options.jitter, k, ws, F, Pf, sx)
+            if ok:
+                ll = loglik(v, obs, k, logdet, L, w)
+                update_mean(ap[t], v, obs, k, K, af)
         if not ok:  # F_oo not PD: -inf, NaN from here on
             _fail_from(out, t)
             total = -np.inf
             break
-        ll = loglik(v, obs, k, logdet, L, w)
-        update_mean(ap[t], v, obs, k, K, af)
         out.loglik_obs[t] = ll
         total += ll
         predict_mean(af, st.c, st.T, ap[t + 1], sx)

@@ -48,14 +48,16 @@ import numba
 import numpy as np
 
 from iterops._linalg_kernels import (
-    SMALL, all_finite, borrowed, cho_solve_vec, cholesky, matmul, nonzero_index, spmm, sym_inplace, sym_into,
+    SMALL, all_finite, borrowed, cho_solve_vec, cholesky, copy_into, matmul, nonzero_index, spmm, sym_inplace,
+    sym_into,
 )
 
 __all__ = [
     "LOG_2PI", "System", "Options", "UpdateWork", "update_work", "ReverseWork", "reverse_work", "Structure",
     "structure", "find_structure", "ti", "system_at",
     "static_cov", "varies_over_time", "static_rq", "missing", "fully_observed", "observe", "innovation",
-    "observe_vjp", "update_cov", "update_mean", "update_vjp", "loglik", "loglik_vjp", "predict_mean", "rqr",
+    "observe_vjp", "update_cov", "MULTIVARIATE", "AUTO", "UNIVARIATE", "prefers_univariate", "diagonal",
+    "update_univariate", "update_mean", "update_vjp", "loglik", "loglik_vjp", "predict_mean", "rqr",
     "predict_cov", "predict_cov_vjp", "rq_vjp", "predict_vjp", "closed_loop",
 ]
 
@@ -370,6 +372,111 @@ def update_cov(P, Zt, Ht, jitter, k, ws, F, Pf, sx):
         cho_solve_vec(L, k, K[i], K[i])
     _filtered_cov(Ps, K, M, k, jitter, Pf)
     return True, logdet
+
+
+#: ``univariate`` modes of the forward filter (the ``kalman_filter`` option): never, by the rule, always
+#: (where H is diagonal)
+MULTIVARIATE, AUTO, UNIVARIATE = 0, 1, 2
+
+
+@numba.njit(cache=True)
+def prefers_univariate(m, p, need_F):
+    """The automatic rule: the univariate update is faster than the multivariate one for m states and p
+    observables, when the output ``F`` is (``need_F``) or is not computed (``benchmarks/bench_kalman.py``'s
+    crossover table).  Flops of a step's update: univariate ``1.5 k m^2`` (+ ``m^2 k + m k^2 / 2`` for F),
+    multivariate ``1.5 m^2 k + 1.5 m k^2 + k^3 / 6`` (F included); above m = 16 the multivariate update's
+    BLAS products win.  One observable: the same work."""
+    if need_F:
+        return p >= 2 and 6 * p >= 5 * m
+    return p >= 2 and m <= 16
+
+
+@numba.njit(cache=True)
+def diagonal(Ht):
+    """True when sym(H) is diagonal (NaN off the diagonal counts as not)."""
+    for i in range(Ht.shape[0]):
+        for jj in range(i + 1, Ht.shape[0]):
+            if Ht[i, jj] + Ht[jj, i] != 0.0:
+                return False
+    return True
+
+
+@numba.njit(cache=True)
+def update_univariate(a, P, v, Zt, Ht, jitter, k, ws, af, Pf, sx):
+    """The measurement update one observed component at a time (Durbin & Koopman 2012, sec. 6.4;
+    statsmodels' ``filter_univariate``), for a diagonal sym(H).  Returns ``(ok, ll)``.
+
+    From ``a_f = a``, ``P_f = sym(P)``, for each observed ``i`` in order::
+
+        v_i = v[i] - Z_i (a_f - a)       (= y_i - d_i - Z_i a_f)
+        F_i = Z_i P_f Z_i^T + H_ii + j;  ok only if F_i > 0 and finite
+        u   = P_f Z_i^T / F_i;  a_f += u v_i;  P_f -= u u^T F_i
+        ll += -(log 2 pi + log F_i + v_i^2 / F_i) / 2
+        G  += u (e_i^T - Z_i G)          (only when j > 0: G = K, the multivariate gain)
+
+    then ``P_f += j I - j G G^T``.  This is :func:`update_cov` + :func:`update_mean` + :func:`loglik`
+    with ``F_oo = L D L^T`` (``F_i`` the pivots of D: all positive exactly when F_oo is positive
+    definite), so every output is the multivariate one to rounding; with ``j > 0`` the sequential
+    recursion gives ``sym(P) - K M^T`` and G supplies the jitter's ``- j K K^T``.  O(k m^2) (O(k m nnz)
+    for a sparse Z) plus O(k^2 m) for the jitter, instead of the Cholesky's O(k^3 + k^2 m).
+    ``ws.M[:, 0]`` is scratch, ``ws.K[:, :k]`` holds G; ``F`` (all p rows) is not computed here."""
+    m = a.shape[0]
+    obs, u, G = ws.obs, ws.M[:, 0], ws.K
+    sym_into(P, Pf)
+    copy_into(a, af)
+    sparse = sx.use[1] and all_finite(Pf)
+    for i in range(m):
+        for jj in range(k):
+            G[i, jj] = 0.0
+    ll = 0.0
+    for ii in range(k):
+        i = obs[ii]
+        nz = sx.Z[i, 0] if sparse else m
+        vi = v[i]
+        f = Ht[i, i] + jitter
+        for l in range(m):  # u = P_f Z_i^T
+            s = 0.0
+            if sparse:
+                for q in range(nz):
+                    c = sx.Z[i, q + 1]
+                    s += Pf[l, c] * Zt[i, c]
+            else:
+                for c in range(m):
+                    s += Pf[l, c] * Zt[i, c]
+            u[l] = s
+        for q in range(nz):
+            c = sx.Z[i, q + 1] if sparse else q
+            f += Zt[i, c] * u[c]
+            vi -= Zt[i, c] * (af[c] - a[c])
+        if not (f > 0.0) or not np.isfinite(f):
+            return False, np.nan
+        ll -= 0.5 * (LOG_2PI + np.log(f) + vi * vi / f)
+        for l in range(m):
+            u[l] /= f
+            af[l] += u[l] * vi
+        for l in range(m):
+            for q in range(l, m):
+                s = Pf[l, q] - u[l] * u[q] * f
+                Pf[l, q] = s
+                Pf[q, l] = s
+        if jitter != 0.0:
+            for jj in range(k):  # r_jj = e_ii - Z_i G[:, jj]
+                s = 1.0 if jj == ii else 0.0
+                for q in range(nz):
+                    c = sx.Z[i, q + 1] if sparse else q
+                    s -= Zt[i, c] * G[c, jj]
+                for l in range(m):
+                    G[l, jj] += u[l] * s
+    for l in range(m):
+        for q in range(l, m):
+            s = Pf[l, q]
+            if jitter != 0.0:
+                for jj in range(k):
+                    s -= jitter * G[l, jj] * G[q, jj]
+            Pf[l, q] = s
+            Pf[q, l] = s
+        Pf[l, l] += jitter
+    return True, ll
 
 
 @numba.njit(cache=True)

@@ -100,6 +100,22 @@ O(m nnz) instead of O(m^3).  Results are the dense products' to rounding, failur
 whose covariance (or cotangent) holds inf or NaN takes the dense product, where ``0 * inf = NaN``
 (:mod:`iterops.ts._kalman_steps`).  The gradient w.r.t. ``T`` stays dense.
 
+Univariate measurement update (``kalman_filter(..., univariate="auto" | True | False)``): on steps where
+``sym(H_t)`` is diagonal the update can process the observed components one at a time (Durbin &
+Koopman 2012, sec. 6.4; statsmodels' ``filter_univariate``)::
+
+    for i in o:  v_i = y_i - d_i - Z_i a_f;  F_i = Z_i P_f Z_i^T + H_ii + j   (a_f = a, P_f = S first)
+                 u = P_f Z_i^T / F_i;  a_f += u v_i;  P_f -= u u^T F_i;  ll_i = -(log 2 pi + log F_i + v_i^2/F_i)/2
+    P_f += j I - j K K^T                                                       (K from the sequential gains)
+
+which is the update above with ``F_oo = L D L^T`` in place of its Cholesky factor (the ``F_i`` are the
+pivots of D, all positive exactly when ``F_oo`` is positive definite): the same outputs to rounding, the same
+failing steps, O(k m^2) instead of O(k m^2 + k^2 m + k^3).  ``forecast_error`` and ``forecast_error_cov``
+stay the multivariate ones (``v`` and ``F`` above), not statsmodels' univariate ones.  Kernel:
+:func:`iterops.ts._kalman_steps.update_univariate`; the rule of ``"auto"``:
+:func:`iterops.ts._kalman_steps.prefers_univariate`.  The adjoint is unchanged (it recomputes each step's
+update, multivariate, from the stored predictions), so the gradient is the same function's.
+
 Exact diffuse initialization (``kalman_filter(..., diffuse=mask_or_P_inf)``): Durbin & Koopman's exact
 initial Kalman filter with ``P_1 = P0 + kappa P_inf``, ``kappa -> infinity``, as statsmodels'
 ``initialization='diffuse'`` computes it (equations, log-likelihood convention and outputs of the diffuse
@@ -152,7 +168,9 @@ import numba
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.gradient import DisconnectedType, grad_not_implemented
-from pytensor.graph.basic import Apply
+from pytensor.compile import optdb
+from pytensor.graph.basic import Apply, Constant, Variable
+from pytensor.graph.rewriting.basic import copy_stack_trace, dfs_rewriter, node_rewriter
 from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.variable import TensorVariable
 
@@ -161,7 +179,7 @@ from iterops._validate import as_tensor, float_dtype
 from iterops.ts._kalman_adjoint import Cotangents, InputCotangents, kalman_adjoint_kernel
 from iterops.ts._kalman_diffuse import DiffuseOutputs, diffuse_adjoint, diffuse_filter, diffuse_outputs
 from iterops.ts._kalman_filter import FilterOutputs, filter_into, filter_outputs, kalman_filter_kernel
-from iterops.ts._kalman_steps import Options, System
+from iterops.ts._kalman_steps import AUTO, MULTIVARIATE, UNIVARIATE, Options, System, prefers_univariate
 
 __all__ = [
     "kalman_filter",
@@ -211,6 +229,8 @@ class KalmanFilterResult(NamedTuple):
 I64 = numba.types.int64
 F64 = numba.types.float64
 I64P = numba.types.CPointer(I64)
+#: ``kalman_filter(univariate=...)`` -> the forward kernel's update mode (:mod:`iterops.ts._kalman_steps`)
+UPDATE_MODES = {False: MULTIVARIATE, "auto": AUTO, True: UNIVARIATE}
 
 
 @numba.njit(cache=True)
@@ -262,11 +282,13 @@ def inputs_from_pointers(y, a0, P0, c, d, T, Z, R, H, Q, s):
     return numba.carray(y, (n, p)), numba.carray(a0, (m,)), numba.carray(P0, (m, m)), system
 
 
-@opaque_kernel(F64(*([F64P] * 17), I64P, F64, F64, I64))
-def _filter_abi(y, a0, P0, c, d, T, Z, R, H, Q, llo, af, Pf, ap, Pp, v, F, sizes, jitter, mv, use_mv):
+@opaque_kernel(F64(*([F64P] * 17), I64P, F64, F64, I64, I64, I64))
+def _filter_abi(y, a0, P0, c, d, T, Z, R, H, Q, llo, af, Pf, ap, Pp, v, F, sizes, jitter, mv, use_mv, univariate,
+                need_F):
     """C-ABI barrier around :func:`iterops.ts._kalman_filter.filter_into` (C-contiguous float64
-    buffers, ``sizes`` = :func:`input_sizes`; see :class:`iterops._fused.OpaqueKernel` for why).
-    Returns the log-likelihood."""
+    buffers, ``sizes`` = :func:`input_sizes`; see :class:`iterops._fused.OpaqueKernel` for why;
+    ``univariate``: the update mode, :data:`UPDATE_MODES`; ``need_F``: 0 when ``forecast_error_cov``
+    is not used).  Returns the log-likelihood."""
     s = numba.carray(sizes, (11,))
     n, p, m = s[0], s[1], s[2]
     y_, a0_, P0_, system = inputs_from_pointers(y, a0, P0, c, d, T, Z, R, H, Q, s)
@@ -275,7 +297,7 @@ def _filter_abi(y, a0, P0, c, d, T, Z, R, H, Q, llo, af, Pf, ap, Pp, v, F, sizes
         numba.carray(ap, (n + 1, m)), numba.carray(Pp, (n + 1, m, m)), numba.carray(v, (n, p)),
         numba.carray(F, (n, p, p)),
     )
-    return filter_into(y_, a0_, P0_, system, Options(jitter, mv, use_mv != 0), out)
+    return filter_into(y_, a0_, P0_, system, Options(jitter, mv, use_mv != 0), out, univariate, need_F != 0)
 
 
 @opaque_kernel(numba.types.void(*([F64P] * 29), I64P, F64, F64, I64, F64))
@@ -301,8 +323,10 @@ def _adjoint_abi(y, a0, P0, c, d, T, Z, R, H, Q, ap, Pp, gllo, gaf, gPf, gap, gP
 
 
 @entry_point
-def _filter_entry(tv: tuple, jitter: float, mv: float, use_mv: bool):
+def _filter_entry(tv: tuple, jitter: float, mv: float, use_mv: bool, univariate="auto", forecast_cov: bool = True):
     flag = int(use_mv)
+    mode = UPDATE_MODES[univariate]
+    need_F = int(forecast_cov)
     abi = _filter_abi.external  # opaque call: a new graph does not recompile the kernel
 
     @numba.njit
@@ -316,7 +340,7 @@ def _filter_entry(tv: tuple, jitter: float, mv: float, use_mv: bool):
         ll = abi(
             data_ptr(y_), data_ptr(a0_), data_ptr(P0_), data_ptr(c_), data_ptr(d_), data_ptr(T_), data_ptr(Z_),
             data_ptr(R_), data_ptr(H_), data_ptr(Q_), data_ptr(llo), data_ptr(af), data_ptr(Pf), data_ptr(ap),
-            data_ptr(Pp), data_ptr(v), data_ptr(F), data_ptr(sizes), jitter, mv, flag,
+            data_ptr(Pp), data_ptr(v), data_ptr(F), data_ptr(sizes), jitter, mv, flag, mode, need_F,
         )
         keep_alive((y_, a0_, P0_, c_, d_, T_, Z_, R_, H_, Q_, sizes))
         total = np.empty((), dtype=np.float64)
@@ -391,9 +415,21 @@ class KalmanOpBase(FusedOp):
 
 @register_fused_op
 class KalmanFilter(KalmanOpBase):
-    """Core Op of :func:`kalman_filter` (see :class:`KalmanOpBase` for the options)."""
+    """Core Op of :func:`kalman_filter` (see :class:`KalmanOpBase` for the options; ``univariate``:
+    ``"auto"``, True or False, the forward's measurement update, :func:`kalman_filter`).
+    ``forecast_cov=False`` (set by the rewrite :func:`kalman_unused_forecast_cov` when nothing uses
+    the output): univariate steps leave ``forecast_error_cov`` NaN instead of computing it."""
 
+    __props__ = (*KalmanOpBase.__props__, "univariate", "forecast_cov")
     gufunc_signature = ",".join(IN_SIG) + "->" + ",".join(_OUT_SIG)
+
+    def __init__(self, time_varying=(False,) * 7, cov_jitter=0.0, missing_value=None, univariate="auto",
+                 forecast_cov=True):
+        super().__init__(time_varying, cov_jitter, missing_value)
+        if univariate not in UPDATE_MODES:
+            raise ValueError(f"univariate must be 'auto', True or False, got {univariate!r}")
+        self.univariate = univariate if univariate == "auto" else bool(univariate)
+        self.forecast_cov = bool(forecast_cov)
 
     def make_node(self, *inputs):
         inputs = [pt.as_tensor_variable(x) for x in inputs]
@@ -415,7 +451,7 @@ class KalmanFilter(KalmanOpBase):
         return [(), (n,), (n, m), (n, m, m), (n + 1, m), (n + 1, m, m), (n, p), (n, p, p)]
 
     def numba_fn(self, node):
-        return _filter_entry(*self._entry_args())
+        return _filter_entry(*self._entry_args(), self.univariate, self.forecast_cov)
 
     def pullback(self, inputs, outputs, cotangents):
         connected = [not isinstance(g.type, DisconnectedType) for g in cotangents]
@@ -461,6 +497,26 @@ class KalmanFilterGrad(KalmanOpBase):
             grad_not_implemented(self, i, x, "second derivatives of kalman_filter are not implemented")
             for i, x in enumerate(inputs)
         ]
+
+
+@node_rewriter([Blockwise, KalmanFilter])
+def kalman_unused_forecast_cov(fgraph, node):
+    """A :class:`KalmanFilter` whose ``forecast_error_cov`` nothing uses becomes one with
+    ``forecast_cov=False``: its univariate steps skip ``F = Z P Z^T + H`` (O(p m^2 + p^2 m) per step,
+    the multivariate update's cost the univariate one avoids); the other outputs are unchanged."""
+    core = node.op.core_op if isinstance(node.op, Blockwise) else node.op
+    if type(core) is not KalmanFilter or not core.forecast_cov or fgraph.clients[node.outputs[7]]:
+        return None
+    new = KalmanFilter(core.time_varying, core.cov_jitter, core.missing_value, core.univariate, forecast_cov=False)
+    outs = (Blockwise(new) if isinstance(node.op, Blockwise) else new)(*node.inputs, return_list=True)
+    copy_stack_trace(node.outputs, outs)
+    return outs
+
+
+optdb.register(
+    "iterops_kalman_unused_forecast_cov", dfs_rewriter(kalman_unused_forecast_cov, ignore_newtrees=True),
+    "fast_run", "fast_compile", "iterops", position=49.0,
+)
 
 
 # ---------------------------------------------------------------------------
@@ -839,12 +895,13 @@ def _prepare_inputs(func, y, a0, P0, c, d, T, Z, R, H, Q, time_varying):
     return [f64(y), f64(a0), f64(P0), *system], tv, out_dtype
 
 
-def apply_kalman_op(func, op_type, args, time_varying, cov_jitter, missing_value):
-    """Validate (graph-build time), apply ``op_type`` through ``Blockwise``, cast back to the input precision."""
+def apply_kalman_op(func, op_type, args, time_varying, cov_jitter, missing_value, **options):
+    """Validate (graph-build time), apply ``op_type`` through ``Blockwise``, cast back to the input precision.
+    ``options``: further props of ``op_type``."""
     inputs, tv, out_dtype = _prepare_inputs(func, *args, time_varying)
     if not np.isfinite(cov_jitter) or cov_jitter < 0:
         raise ValueError(f"{func}: cov_jitter must be finite and >= 0, got {cov_jitter}")
-    outs = Blockwise(op_type(tv, cov_jitter, missing_value))(*inputs)
+    outs = Blockwise(op_type(tv, cov_jitter, missing_value, **options))(*inputs)
     if out_dtype != "float64":
         outs = [pt.cast(o, out_dtype) for o in outs]
     return outs
@@ -877,6 +934,7 @@ def kalman_filter(
     cov_jitter: float = 0.0,
     missing_value: float | None = None,
     diffuse=None,
+    univariate="auto",
 ) -> KalmanFilterResult:
     r"""Kalman filter log-likelihood, filtered and predicted moments; one fused Numba loop.
 
@@ -920,6 +978,25 @@ def kalman_filter(
         ``F_star`` both ``<= 1e-10`` (or non-finite), ``H`` is not diagonal in a diffuse step, or
         ``P_inf`` is still nonzero after the last step.  Not combinable with ``cov_jitter > 0``
         (``ValueError``).  Kernels: :mod:`iterops.ts._kalman_diffuse`.
+    univariate : "auto" (default), True or False
+        The measurement update of steps where ``sym(H_t)`` is diagonal: one observed component at a
+        time (Durbin & Koopman 2012, sec. 6.4; statsmodels' ``filter_univariate``; O(k m^2) per step
+        instead of the Cholesky's O(k^3 + k^2 m)) or the multivariate one above.  The same function:
+        every output, ``forecast_error`` and the full ``forecast_error_cov`` included, is the
+        multivariate filter's to rounding (``cov_jitter`` and missing components included), and both
+        fail (``-inf``) at the same steps, since the univariate variances are the pivots of
+        ``F_oo = L D L^T``.  When nothing uses ``forecast_error_cov`` (a graph rewrite,
+        :func:`kalman_unused_forecast_cov`, sees it), univariate steps do not compute it (it holds NaN
+        there); otherwise they compute it, at the cost of the multivariate ``Z P Z^T``.  ``"auto"``
+        takes the univariate update where it is faster (:func:`_choose_update`, the kernel's rule:
+        ``p >= 2`` and ``m <= 16``, or ``p >= 5 m / 6`` when ``forecast_error_cov`` is used; measured in
+        ``benchmarks/bench_kalman.py``), True wherever H is diagonal.
+        H is checked from its values, once per call for a static H and every step for a time-varying
+        one; ``univariate=True`` with a constant non-diagonal ``H`` is a ``ValueError``, with a
+        symbolic one a non-diagonal step takes the multivariate update.  The step entering a steady
+        state (see :func:`iterops.ts._kalman_filter.kalman_filter_kernel`) and the gradient (the
+        adjoint recomputes each step's update from the stored predictions) are multivariate.  In
+        exact diffuse steps the update is univariate anyway.
 
     Leading (batch) dimensions of all arguments broadcast.
 
@@ -943,10 +1020,42 @@ def kalman_filter(
     if diffuse is not None:
         return _kalman_filter_diffuse((y, a0, P0, c, d, T, Z, R, H, Q), time_varying, cov_jitter, missing_value,
                                       diffuse)
+    _check_univariate("kalman_filter", univariate, H)
     outs = apply_kalman_op(
-        "kalman_filter", KalmanFilter, (y, a0, P0, c, d, T, Z, R, H, Q), time_varying, cov_jitter, missing_value
+        "kalman_filter", KalmanFilter, (y, a0, P0, c, d, T, Z, R, H, Q), time_varying, cov_jitter, missing_value,
+        univariate=univariate,
     )
     return KalmanFilterResult(*outs)
+
+
+def _choose_update(m, p, H, univariate="auto", forecast_cov=True):
+    """"univariate" or "multivariate": the update the forward kernel takes on a step with m states, p
+    observables and (core) H, for the ``univariate`` option, when ``forecast_error_cov`` is used
+    (``forecast_cov``) or not (the kernel's own rule, :func:`iterops.ts._kalman_steps.prefers_univariate`,
+    run in Python)."""
+    H = np.asarray(H, dtype=float)
+    mode = UPDATE_MODES[univariate]
+    uni = mode == UNIVARIATE or (mode == AUTO and prefers_univariate.py_func(m, p, forecast_cov))
+    diag = bool(np.all((H + H.T)[~np.eye(H.shape[-1], dtype=bool)] == 0.0))
+    return "univariate" if uni and diag else "multivariate"
+
+
+def _check_univariate(func, univariate, H):
+    """Graph-build checks of ``univariate``: one of its values; True needs a diagonal H when H is a constant."""
+    if not (isinstance(univariate, (bool, np.bool_)) or univariate == "auto"):
+        raise ValueError(f"{func}: univariate must be 'auto', True or False, got {univariate!r}")
+    if univariate is not True:
+        return
+    H = H if isinstance(H, Variable) else pt.as_tensor_variable(H)
+    if not isinstance(H, Constant) or H.type.ndim < 2:
+        return  # symbolic: a non-diagonal step takes the multivariate update at run time
+    Hv = np.asarray(H.data, dtype=float)
+    if np.any((Hv + np.swapaxes(Hv, -1, -2))[..., ~np.eye(Hv.shape[-1], dtype=bool)] != 0.0):
+        raise ValueError(
+            f"{func}: univariate=True needs a diagonal H (the update processes one observed component at a "
+            f"time), but the constant H (shape {Hv.shape}, dtype {Hv.dtype}) has nonzero off-diagonal entries; "
+            "use univariate='auto' or False"
+        )
 
 
 def _kalman_filter_diffuse(args, time_varying, cov_jitter, missing_value, diffuse):
