@@ -1,7 +1,9 @@
 """Small dense-matrix helpers shared by iterops' Numba kernels.
 
 State-space matrices are small (a handful of states), so hand-written loops beat a BLAS call
-(no call overhead, no allocation) below :data:`SMALL`; above it products go to BLAS.  Every
+(no call overhead, no allocation) for products of at most :data:`SMALL` ``**3`` multiply-adds (every
+dimension at most :data:`SMALL`, or a thin one: a rank-one update, a matrix-vector product); larger
+products go to BLAS.  Every
 helper writes into a preallocated ``out`` so that a kernel's loop allocates nothing.
 
 * :func:`matmul` -- ``out = alpha X Y + beta out``; pass ``X.T`` / ``Y.T`` for products with a
@@ -32,17 +34,19 @@ __all__ = [
     "copy_into", "borrowed",
 ]
 
-SMALL = 10  #: above this size (any dimension), matrix products go to BLAS
+SMALL = 10  #: matrix products of more than SMALL**3 multiply-adds go to BLAS
 
 
 @numba.njit(cache=True)
 def matmul(X, Y, out, alpha=1.0, beta=0.0):
-    """out = alpha X @ Y + beta out (loops for small matrices, BLAS above :data:`SMALL`).
+    """out = alpha X @ Y + beta out (loops up to :data:`SMALL` ``**3`` multiply-adds, BLAS above).
 
-    ``X``/``Y`` may be transposed or sliced views; with ``beta = 0`` what ``out`` held is ignored."""
+    ``X``/``Y`` may be transposed or sliced views; with ``beta = 0`` what ``out`` held is ignored.
+    (A thin product such as the rank-one ``(m, 1) @ (1, m)`` of a univariate filter's adjoint takes
+    the loops: BLAS would cost two contiguous copies and an allocation for ``m^2`` multiply-adds.)"""
     n_, k_ = X.shape
     m_ = Y.shape[1]
-    if (n_ > SMALL or m_ > SMALL or k_ > SMALL) and n_ > 0 and m_ > 0 and k_ > 0:
+    if n_ * m_ * k_ > SMALL * SMALL * SMALL:
         prod = np.dot(np.ascontiguousarray(X), np.ascontiguousarray(Y))
         for i in range(n_):
             for j in range(m_):

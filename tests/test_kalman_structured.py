@@ -19,7 +19,7 @@ from statsmodels.tsa.statespace.varmax import VARMAX
 from test_kalman import FIELDS, assert_close, kf, ks, model_args, sm_outputs, statsmodels_results, symbolic_inputs
 from test_kalman_steady import assert_loglik_grads_close, dense_filter, gradient_fns
 
-from iterops._linalg_kernels import all_finite, nonzero_index, spmm
+from iterops._linalg_kernels import all_finite, matmul, nonzero_index, spmm
 
 INPUTS = ("y", "a0", "P0", "c", "d", "T", "Z", "R", "H", "Q")
 
@@ -56,6 +56,21 @@ def test_spmm_matches_dense_product(rng, density, shape):
     Y2 = rng.normal(size=(m, n))
     spmm(X.T, idx_t, Y2.T, out)
     np.testing.assert_allclose(out, X.T @ Y2.T, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 5), (14, 1, 14), (14, 14, 1), (1, 14, 14), (40, 2, 40), (14, 14, 14)])
+def test_matmul_matches_numpy(rng, shape):
+    """The loops (up to SMALL**3 multiply-adds: small or thin products) and BLAS (above), with transposed views."""
+    n, k, m = shape
+    X, Y = rng.normal(size=(n, k)), rng.normal(size=(k, m))
+    for alpha, beta in [(1.0, 0.0), (-2.0, 1.0), (0.5, 0.3)]:
+        out0 = rng.normal(size=(n, m))
+        out = out0.copy()
+        matmul(X, Y, out, alpha, beta)
+        np.testing.assert_allclose(out, alpha * X @ Y + beta * out0, rtol=1e-13, atol=1e-13)
+    out = np.empty((m, n)).T  # a (n, m) view
+    matmul(np.ascontiguousarray(X.T).T, np.ascontiguousarray(Y.T).T, out)
+    np.testing.assert_allclose(out, X @ Y, rtol=1e-13, atol=1e-13)
 
 
 def test_nonzero_index_and_its_decision():
@@ -298,3 +313,28 @@ def test_structured_verify_grad(tv):
     args = model_args(model)
     args[0] = np.nan_to_num(args[0])
     verify_grad(f, args, rng=rng, abs_tol=1e-5, rel_tol=1e-5, mode="FAST_COMPILE")
+
+
+@pytest.mark.parametrize("jitter", [1e-8, 0.0])
+def test_seasonal_sarimax_steady_gradient_matches_autodiff_of_pymc_extras(jitter):
+    """The benchmark's SARIMAX(2,0,1)x(1,0,1,12) (m = 14 > SMALL, p = 1: the adjoint's thin products take
+    loops), its covariance steady from about step 120 (the reverse's steady cache is built when a stretch
+    is entered), a stretch left at a missing observation; stationary P0 (scipy)."""
+    import scipy.linalg
+
+    rng = np.random.default_rng(18)
+    n = 260
+    mats = _statsmodels_system(SARIMAX(np.zeros(n), order=(2, 0, 1), seasonal_order=(1, 0, 1, 12)),
+                               [0.5, 0.2, 0.3, 0.6, -0.2, 1.0])
+    m = mats["T"].shape[0]
+    P0 = scipy.linalg.solve_discrete_lyapunov(mats["T"], mats["R"] @ mats["Q"] @ mats["R"].T)
+    model = dict(y=rng.normal(size=(n, 1)), a0=0.1 * rng.normal(size=m), P0=P0, **mats)
+    model["y"][[3, 200]] = np.nan
+    shapes = [(n,), (n, m), (n, m, m), (n, m), (n, m, m)]
+    weights = [rng.normal(size=s) / np.sqrt(np.prod(s)) for s in shapes]
+    fn_ours, fn_theirs = gradient_fns(jitter)
+    out_ours = fn_ours(*model_args(model), *weights)
+    out_theirs = fn_theirs(*model_args(model), *weights)
+    Pp = out_ours.pop()
+    assert sum(np.array_equal(Pp[t], Pp[t - 1]) for t in range(1, n + 1)) >= 60  # a steady stretch ran
+    assert_loglik_grads_close(out_ours, out_theirs)

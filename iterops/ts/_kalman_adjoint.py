@@ -121,6 +121,7 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad):
     t = n - 1
     while t >= 0:
         if cached and fully_observed(y, t, options) and _row_same(Pp, t, cache.P):
+            _steady_cache(system.T[0], Zo, cache)  # the work arrays still hold cache.P's update
             t = _steady_adjoint_run(t, y, system, options, ap, Pp, cot, grad, abar, Pbar, Grq, cache, sx)
             continue
         if vary:
@@ -155,8 +156,8 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad):
             abar[i] = a_bar_new[i] + (cot.predicted_state[t, i] if _has(cot.predicted_state) else 0.0)
         _carry_cov(P_bar_new, t, cot.predicted_cov, Pbar)
         cached = fast and k == p
-        if cached:
-            _steady_cache(Pp[t], system.T[0], Zo, cache)
+        if cached:  # the rest of the cache only when a steady stretch follows (it costs two m^3 products)
+            copy_into(Pp[t], cache.P)
         t -= 1
     if sum_rq:
         rq_vjp(Grq, system.R[0], system.Q[0], grad.system.R[0], grad.system.Q[0])
@@ -166,12 +167,11 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad):
 
 
 @numba.njit(cache=True, inline="always")
-def _steady_cache(P, Tt, Zt, cache):
-    """Fill ``cache`` (:class:`_SteadyCache`) for the fully observed step just reversed, whose
-    ``K``, ``Finv`` are in ``cache``: ``P``, ``A = I - K Z``, ``B = K F^{-1}``, ``N = B Z``,
+def _steady_cache(Tt, Zt, cache):
+    """Fill ``cache`` (:class:`_SteadyCache`, whose ``P`` is set) for the fully observed step last reversed,
+    whose ``K``, ``Finv`` are in ``cache``: ``A = I - K Z``, ``B = K F^{-1}``, ``N = B Z``,
     ``Aj = A - j N``, ``TN = T N``, ``Lss = T Aj``."""
-    m = P.shape[0]
-    copy_into(P, cache.P)
+    m = Tt.shape[0]
     closed_loop(cache.K, Zt, Zt.shape[0], cache.A)
     matmul(cache.K, cache.Finv, cache.B)
     matmul(cache.B, Zt, cache.N)
