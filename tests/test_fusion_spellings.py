@@ -502,10 +502,11 @@ def test_damped_fixed_point_truncated_gradient_keeps_the_scans():
 
 
 def test_damped_fixed_point_default_mode_compiled(rng):
-    """One damped loop compiled and run in the default (Numba) mode with plain ``pytensor.grad``."""
+    """One damped loop compiled and run in the default (Numba) mode with plain ``pytensor.grad`` (value and
+    gradient: one traced run of the loop, ``share_fixed_point_trace``)."""
     out = ref.damped_fixed_point_loop(_DA, _DQ, _DW, X0=_DX0, tol=_DTOL, n_steps=3000)
     _compare([_DA, _DQ, _DX0, _DTOL, _DW], [out], [_DA, _DQ, _DX0, _DW], [*_damped_values(rng), 0.6],
-             LyapunovFixedPointLoop)
+             LyapunovFixedPointTrace)
 
 
 @pytest.mark.parametrize("loop", ["fixed point", "damped fixed point"])
