@@ -483,3 +483,28 @@ def test_damped_validation_errors():
         lyapunov_fixed_point_loop(np.eye(2), np.eye(2), np.eye(2), 1e-8, 10, w=0.5, damping="relaxed")
     with pytest.raises(TypeError, match="w must be real, got w with dtype complex128"):
         lyapunov_fixed_point_loop(np.eye(2), np.eye(2), np.eye(2), 1e-8, 10, w=0.5j)
+
+
+@pytest.mark.parametrize("damping", [None, "convex"])
+def test_value_and_gradient_share_one_run_of_the_loop(damping, rng):
+    """Default (Numba) mode, value and gradient of the fixed-point loop: one traced run of the loop read by
+    the reverse pass (no second run), values and gradients those of the user's Scan: a loop stopped by its
+    tolerance after more steps than the trace's first buffer holds (it grows), one hitting its guard, one
+    step (the Scan's ``Xs[-1]`` of zero steps raises), float32."""
+    from iterops.linalg.lyapunov_iteration import LyapunovFixedPointLoopGrad, LyapunovFixedPointTrace
+
+    for dtype, tol, n_steps, rtol in (("float64", 1e-10, 3000, 1e-10), ("float64", 0.0, 7, 1e-12),
+                                      ("float64", 1e-10, 1, 1e-14), ("float32", 1e-3, 100, 1e-5)):  # as test_float32 (a tie at tol moves the stop)
+        a, q, x0 = (v.astype(dtype) for v in (stable(rng, 3, 0.9), spd(rng, 3), rng.normal(size=(3, 3))))
+        if damping is None:
+            f, want = fixed_point_fn("fused", "max_lt", dtype), fixed_point_fn("scan", "max_lt", dtype)
+            wt = rng.normal(size=(3, 3)).astype(dtype)
+            got, expected = f(a, q, x0, tol, n_steps, wt), want(a, q, x0, tol, n_steps, wt)
+            for name, x, y in zip(("X", "dA", "dQ", "dX0"), got, expected):
+                assert_close(x, y, rtol, name)
+        else:
+            f = damped_fn("fused", damping, "max_lt", dtype, None)  # the function check_damped compiles
+            check_damped(a, q, x0, 0.7, tol, n_steps, "max_lt", damping, rtol=max(rtol, 1e-14))
+        ops = [type(node.op) for node in f.maker.fgraph.apply_nodes]
+        assert LyapunovFixedPointTrace in ops and LyapunovFixedPointLoopGrad not in ops, ops
+        assert sum(op.__name__.startswith("LyapunovFixedPoint") for op in ops) == 2, ops

@@ -49,8 +49,11 @@ PyTensor's autodiff of the Scan computes: the number of steps taken is a
 constant and the stop rule is not differentiated.  The adjoint kernel runs the
 loop again keeping every iterate and each step's first product (``A X_k``,
 ``alpha_k gamma_k``; memory ``O(steps run * m^2)``, as the Scan's gradient),
-then goes back from the last step.  With cotangents ``Ga``, ``Gg``
-of ``alpha_{k+1}``, ``gamma_{k+1}`` (matrix calculus, e.g. Giles 2008,
+then goes back from the last step.  Where a graph computes the fixed-point
+loop's value and its gradient (``pytensor.grad`` of a cost of ``X``), the
+Numba backend runs the loop once instead (:func:`share_fixed_point_trace`):
+the forward run keeps that trace as an output and the reverse pass reads it.
+With cotangents ``Ga``, ``Gg`` of ``alpha_{k+1}``, ``gamma_{k+1}`` (matrix calculus, e.g. Giles 2008,
 "Collected matrix derivative results for forward and reverse mode AD"):
 
 .. math::
@@ -65,7 +68,7 @@ of ``alpha_{k+1}``, ``gamma_{k+1}`` (matrix calculus, e.g. Giles 2008,
     \bar Q = \sum_{k\ge 1} \bar X_k,\qquad
     \bar A = \sum_{k\ge 0} \bar X_{k+1} A X_k^T + \bar X_{k+1}^T A X_k ,
 
-and for the damped loop, with ``Ybar = w Xbar_{k+1}`` and ``Y_k`` recomputed from the kept ``A X_k``,
+and for the damped loop, with ``Ybar = w Xbar_{k+1}`` and ``Y_k`` from the kept ``(A X_k) A^T``,
 
 .. math::
     \bar X_k = A^T \bar Y A + (1 - w) \bar X_{k+1},\qquad
@@ -85,12 +88,16 @@ from numba import types
 from numba.extending import overload
 import pytensor.tensor as pt
 from pytensor.gradient import DisconnectedType, disconnected_type, grad_not_implemented
+from pytensor.compile import optdb
 from pytensor.graph.basic import Apply
+from pytensor.graph.rewriting.basic import copy_stack_trace, node_rewriter
+from pytensor.tensor.exceptions import ShapeError
 from pytensor.tensor.variable import TensorVariable
 
 from iterops._fused import (
     FusedOp, OpaqueKernel, apply_batched, data_ptr, entry_point, keep_alive, register_fused_op,
 )
+from iterops._linalg_kernels import copy_into
 from iterops._validate import as_tensor, check_dim_match, check_square, float_dtype
 
 __all__ = [
@@ -100,6 +107,8 @@ __all__ = [
     "SmithDoublingLoopGrad",
     "LyapunovFixedPointLoop",
     "LyapunovFixedPointLoopGrad",
+    "LyapunovFixedPointTrace",
+    "LyapunovFixedPointTraceGrad",
 ]
 
 #: stop rule of the user's ``until(...)``, as a kernel code
@@ -208,9 +217,16 @@ def _slot(k, keep):
 
 
 @numba.njit(cache=True)
+def _trace_slots(n_steps):
+    """Initial number of slots of a kept trace for a loop of at most ``n_steps`` steps (:func:`_grow` doubles it:
+    a trace allocated at once for ``n_steps`` costs more in fresh pages than the copies)."""
+    return min(n_steps, 15) + 1
+
+
+@numba.njit(cache=True)
 def _buffer(n_steps, keep, m, dtype):
-    """Iterate buffer (slots, m, m); with ``keep`` it starts small and :func:`_grow` doubles it."""
-    return np.empty((min(n_steps, 15) + 1 if keep else 2, m, m), dtype=dtype)
+    """Iterate buffer (slots, m, m); with ``keep`` it starts at :func:`_trace_slots` and :func:`_grow` doubles it."""
+    return np.empty((_trace_slots(n_steps) if keep else 2, m, m), dtype=dtype)
 
 
 @numba.njit(cache=True)
@@ -312,40 +328,41 @@ def smith_doubling_adjoint_kernel(A, Q, tol, n_steps, stop, Ga, Gg):
 
 
 @numba.njit(cache=True)
-def _fixed_point_step(A, At, Q, X, X_new, work, damp, w):
+def _fixed_point_step(A, At, Q, X, X_new, work, Y, damp, w):
     """``X_new = (A X) A^T + Q`` (the user's association; ``At`` is ``A^T`` laid out contiguously: gemm of a
     plain operand is faster than of a transposed one); ``work`` receives ``A X`` (kept for the adjoint).
-    With ``damp`` (a code of :data:`_DAMPINGS`) that ``Y`` is damped by ``w`` (:func:`_damp_into`)."""
+    With ``damp`` (a code of :data:`_DAMPINGS`) the product ``(A X) A^T`` goes to ``Y`` (kept for the
+    adjoint's ``w_bar``) and ``Y + Q`` is damped by ``w`` into ``X_new`` (:func:`_damp_into`)."""
     _mm(A, X, work)
-    _mm(work, At, X_new)
     if damp == 0:
+        _mm(work, At, X_new)
         _add_into(X_new, Q)
     else:
-        _damp_into(X_new, Q, X, damp, w)
+        _mm(work, At, Y)
+        _damp_into(X_new, Y, Q, X, damp, w)
 
 
 @numba.njit(cache=True)
-def _damp_into(out, Q, X, damp, w):
-    """``out <- (1 - w) X + w Y`` (``damp`` 1) or ``X + w (Y - X)`` (``damp`` 2), ``Y = out + Q``, elementwise
+def _damp_into(out, P, Q, X, damp, w):
+    """``out <- (1 - w) X + w Y`` (``damp`` 1) or ``X + w (Y - X)`` (``damp`` 2), ``Y = P + Q``, elementwise
     in the loop dtype as the user's fused elementwise graph computes it (``1 - w`` rounded first)."""
     c = out.dtype.type(1) - w
     for i in range(out.shape[0]):
         for j in range(out.shape[1]):
-            y = out[i, j] + Q[i, j]
+            y = P[i, j] + Q[i, j]
             out[i, j] = c * X[i, j] + w * y if damp == 1 else X[i, j] + w * (y - X[i, j])
 
 
 @numba.njit(cache=True)
-def _damped_step_vjp_pre(At, Q, X, AX, w, G, Gw, W):
+def _damped_step_vjp_pre(Q, X, P, w, G, Gw):
     """First half of the damped step's reverse (``damp`` 1 or 2, the same derivatives): ``Gw = w G``, the
     cotangent of ``Y = (A X) A^T + Q``, for the undamped step's reverse (``X_bar = A^T Gw A + (1 - w) G``,
     :func:`_damped_step_vjp_post`); returns ``sum(G * (Y - X))``, this step's term of ``w_bar``, with ``Y``
-    recomputed (bit for bit the forward's) in ``W``."""
-    _mm(AX, At, W)
+    from the forward's kept product ``P = (A X) A^T``."""
     s = G.dtype.type(0)
     for i in range(G.shape[0]):
         for j in range(G.shape[1]):
-            s += G[i, j] * ((W[i, j] + Q[i, j]) - X[i, j])
+            s += G[i, j] * ((P[i, j] + Q[i, j]) - X[i, j])
             Gw[i, j] = w * G[i, j]
     return s
 
@@ -373,62 +390,85 @@ def _fixed_point_step_vjp(A, X, AX, G, G_out, GA, GQ, PT, W):
 
 
 @numba.njit(cache=True)
+def _fixed_point_steps(A, At, Q, Xs, AXs, Ps, k, tol, n_steps, stop, keep, damp, w):
+    """Steps of the loop from iterate ``k`` (in slot ``_slot(k, keep)``) until the stop rule holds, ``n_steps``
+    steps are run or (with ``keep``) ``Xs`` is full: ``(steps run, done)``.  Step ``j`` writes ``A X_j`` to
+    ``AXs[_slot(j, keep)]`` and, damped, ``(A X_j) A^T`` to ``Ps[_slot(j, keep)]``."""
+    while k < n_steps:
+        if keep and k + 1 == Xs.shape[0]:
+            return k, False
+        old, new = _slot(k, keep), _slot(k + 1, keep)
+        _fixed_point_step(A, At, Q, Xs[old], Xs[new], AXs[old], Ps[old] if damp != 0 else AXs[old], damp, w)
+        k += 1
+        if _stopped(Xs[new], Xs[old], tol, stop):
+            break
+    return k, True
+
+
+@numba.njit(cache=True)
 def _fixed_point_run(A, Q, X0, tol, n_steps, stop, keep, damp, w):
-    """Run the fixed-point loop (damped by ``w`` if ``damp``): (Xs, AXs, steps run), iterate ``k`` in slot
-    ``_slot(k, keep)``; with ``keep``, ``AXs[k]`` is step ``k``'s ``A X_k``."""
+    """Run the fixed-point loop (damped by ``w`` if ``damp``): (Xs, AXs, Ps, steps run), iterate ``k`` in slot
+    ``_slot(k, keep)``; with ``keep``, ``AXs[k]`` is step ``k``'s ``A X_k`` and (damped) ``Ps[k]`` its
+    ``(A X_k) A^T``."""
     m = A.shape[0]
     n_steps = max(n_steps, 0)
     Xs = _buffer(n_steps, keep, m, X0.dtype)
     AXs = _buffer(n_steps, keep, m, X0.dtype)
+    Ps = _buffer(n_steps, keep and damp != 0, m, X0.dtype)
     Xs[0] = X0
     At = np.ascontiguousarray(A.T)
-    k = 0
-    while k < n_steps:
-        if keep and k + 1 == Xs.shape[0]:
-            Xs = _grow(Xs, n_steps)
-            AXs = _grow(AXs, n_steps)
-        old, new = _slot(k, keep), _slot(k + 1, keep)
-        _fixed_point_step(A, At, Q, Xs[old], Xs[new], AXs[old], damp, w)
-        k += 1
-        if _stopped(Xs[new], Xs[old], tol, stop):
-            break
-    return Xs, AXs, k
+    k, done = _fixed_point_steps(A, At, Q, Xs, AXs, Ps, 0, tol, n_steps, stop, keep, damp, w)
+    while not done:
+        Xs = _grow(Xs, n_steps)
+        AXs = _grow(AXs, n_steps)
+        if damp != 0:
+            Ps = _grow(Ps, n_steps)
+        k, done = _fixed_point_steps(A, At, Q, Xs, AXs, Ps, k, tol, n_steps, stop, keep, damp, w)
+    return Xs, AXs, Ps, k
 
 
 @numba.njit(cache=True)
 def lyapunov_fixed_point_kernel(A, Q, X0, tol, n_steps, stop, damp, w):
     """Final ``X`` of the fixed-point loop for one (m, m) system (all three of one float dtype);
     ``damp`` a code of :data:`_DAMPINGS`, ``w`` the damping factor (float64, used in ``X0``'s dtype)."""
-    Xs, _, n_run = _fixed_point_run(A, Q, X0, tol, n_steps, stop, False, damp, X0.dtype.type(w))
+    Xs, _, _, n_run = _fixed_point_run(A, Q, X0, tol, n_steps, stop, False, damp, X0.dtype.type(w))
     return Xs[_slot(n_run, False)]
 
 
 @numba.njit(cache=True)
-def lyapunov_fixed_point_adjoint_kernel(A, Q, X0, tol, n_steps, stop, damp, w, G):
-    """``(A_bar, Q_bar, X0_bar, w_bar)`` from the cotangent ``G`` of the final ``X`` (``w_bar`` 0 undamped)."""
-    w = X0.dtype.type(w)
-    Xs, AXs, n_run = _fixed_point_run(A, Q, X0, tol, n_steps, stop, True, damp, w)
+def _fixed_point_reverse(A, Q, Xs, AXs, Ps, n_run, damp, w, G):
+    """``(A_bar, Q_bar, X0_bar, w_bar)`` from the cotangent ``G`` of ``X_{n_run}`` and the kept trace
+    (``Xs[k]`` = ``X_k``, ``AXs[k]``, damped ``Ps[k]``: :func:`_fixed_point_run` with ``keep``); ``w_bar`` 0
+    undamped."""
     m = A.shape[0]
-    G_k = G.astype(X0.dtype)
+    G_k = G.astype(Xs.dtype)
     G_prev = np.empty_like(G_k)
-    GA = np.zeros((m, m), dtype=X0.dtype)
-    GQ = np.zeros((m, m), dtype=X0.dtype)
-    P = np.empty((m, m), dtype=X0.dtype)
-    W = np.empty((m, m), dtype=X0.dtype)
-    Gw = np.empty((m if damp != 0 else 0, m), dtype=X0.dtype)
-    At = np.ascontiguousarray(A.T)
-    w_bar = X0.dtype.type(0)
+    GA = np.zeros((m, m), dtype=Xs.dtype)
+    GQ = np.zeros((m, m), dtype=Xs.dtype)
+    P = np.empty((m, m), dtype=Xs.dtype)
+    W = np.empty((m, m), dtype=Xs.dtype)
+    Gw = np.empty((m if damp != 0 else 0, m), dtype=Xs.dtype)
+    w_bar = Xs.dtype.type(0)
     for k in range(n_run - 1, -1, -1):
         if damp == 0:  # one call site of the step's reverse (code size: the cold compile)
             Gy = G_k
         else:
-            w_bar += _damped_step_vjp_pre(At, Q, Xs[k], AXs[k], w, G_k, Gw, W)
+            w_bar += _damped_step_vjp_pre(Q, Xs[k], Ps[k], w, G_k, Gw)
             Gy = Gw
         _fixed_point_step_vjp(A, Xs[k], AXs[k], Gy, G_prev, GA, GQ, P, W)
         if damp != 0:
             _damped_step_vjp_post(G_k, G_prev, w)
         G_k, G_prev = G_prev, G_k
     return GA, GQ, G_k, w_bar
+
+
+@numba.njit(cache=True)
+def lyapunov_fixed_point_adjoint_kernel(A, Q, X0, tol, n_steps, stop, damp, w, G):
+    """``(A_bar, Q_bar, X0_bar, w_bar)`` from the cotangent ``G`` of the final ``X`` (``w_bar`` 0 undamped):
+    the loop run again keeping its trace, then :func:`_fixed_point_reverse`."""
+    w = X0.dtype.type(w)
+    Xs, AXs, Ps, n_run = _fixed_point_run(A, Q, X0, tol, n_steps, stop, True, damp, w)
+    return _fixed_point_reverse(A, Q, Xs, AXs, Ps, n_run, damp, w, G)
 
 
 # ---------------------------------------------------------------------------
@@ -454,18 +494,36 @@ def _doubling_abi(A, Q, Ga, Gg, alpha, gamma, m, tol, n_steps, stop, adjoint):
     return 0
 
 
-def _fixed_point_abi(A, Q, X0, G, X_or_A_bar, Q_bar, X0_bar, w_bar, m, tol, n_steps, stop, adjoint, damp, w):
-    """Forward: writes X.  Adjoint: reads G, writes (A_bar, Q_bar, X0_bar) and ``w_bar[0]``."""
-    A_, Q_, X0_ = numba.carray(A, (m, m)), numba.carray(Q, (m, m)), numba.carray(X0, (m, m))
-    if adjoint:
-        a, q, x, wb = lyapunov_fixed_point_adjoint_kernel(A_, Q_, X0_, tol, n_steps, stop, damp, w,
-                                                          numba.carray(G, (m, m)))
-        numba.carray(X_or_A_bar, (m, m))[:] = a
-        numba.carray(Q_bar, (m, m))[:] = q
-        numba.carray(X0_bar, (m, m))[:] = x
-        numba.carray(w_bar, (1,))[0] = wb
+def _fixed_point_abi(A, Q, X0, G, X_or_A_bar, Q_bar, X0_bar, w_bar, Xs, AXs, Ps, m, cap, k, tol, n_steps, stop,
+                     mode, damp, w):
+    """``mode`` 0, forward: writes X.  1, adjoint: reads G, writes (A_bar, Q_bar, X0_bar) and ``w_bar[0]``.
+    2, traced run: from iterate ``k`` (in ``Xs[k]``) runs on in the caller's ``cap``-slot buffers ``Xs``,
+    ``AXs``, ``Ps`` (damped, else 1 slot), iterate ``j`` in slot ``j``, until done or full; returns
+    ``2 * (steps run) + done``.  3, reverse of the ``k`` steps traced in ``Xs`` (k + 1 slots), ``AXs`` and
+    ``Ps`` (k slots, undamped 1): as mode 1."""
+    A_, Q_ = numba.carray(A, (m, m)), numba.carray(Q, (m, m))
+    if mode == 2:
+        Xs_, AXs_ = numba.carray(Xs, (cap, m, m)), numba.carray(AXs, (cap, m, m))
+        Ps_ = numba.carray(Ps, (cap if damp != 0 else 1, m, m))
+        At = np.ascontiguousarray(A_.T)
+        k, done = _fixed_point_steps(A_, At, Q_, Xs_, AXs_, Ps_, k, tol, n_steps, stop, True, damp,
+                                     Xs_.dtype.type(w))
+        return 2 * k + (1 if done else 0)
+    if mode == 3:
+        a, q, x, wb = _fixed_point_reverse(A_, Q_, numba.carray(Xs, (k + 1, m, m)), numba.carray(AXs, (k, m, m)),
+                                           numba.carray(Ps, (k if damp != 0 else 1, m, m)), k, damp,
+                                           A_.dtype.type(w), numba.carray(G, (m, m)))
+    elif mode == 1:
+        a, q, x, wb = lyapunov_fixed_point_adjoint_kernel(A_, Q_, numba.carray(X0, (m, m)), tol, n_steps, stop,
+                                                          damp, w, numba.carray(G, (m, m)))
     else:
-        numba.carray(X_or_A_bar, (m, m))[:] = lyapunov_fixed_point_kernel(A_, Q_, X0_, tol, n_steps, stop, damp, w)
+        numba.carray(X_or_A_bar, (m, m))[:] = lyapunov_fixed_point_kernel(A_, Q_, numba.carray(X0, (m, m)), tol,
+                                                                          n_steps, stop, damp, w)
+        return 0
+    numba.carray(X_or_A_bar, (m, m))[:] = a
+    numba.carray(Q_bar, (m, m))[:] = q
+    numba.carray(X0_bar, (m, m))[:] = x
+    numba.carray(w_bar, (1,))[0] = wb
     return 0
 
 
@@ -477,9 +535,9 @@ _DOUBLING_ABI = {
     (a, q): OpaqueKernel(types.int64(*[_PTR[a], _PTR[q]] * 3, *_CONTROL), _doubling_abi, tag=f"_{a}_{q}")
     for a, q in (("float32", "float32"), ("float32", "float64"), ("float64", "float64"))
 }
-_FIXED_POINT_ABI = {  # + damp, w
-    d: OpaqueKernel(types.int64(*[_PTR[d]] * 8, *_CONTROL, types.int64, types.float64), _fixed_point_abi,
-                    tag=f"_{d}") for d in _PTR
+_FIXED_POINT_ABI = {  # 11 arrays; m, cap, k, tol, n_steps, stop, mode, damp, w
+    d: OpaqueKernel(types.int64(*[_PTR[d]] * 11, *[types.int64] * 3, types.float64, *[types.int64] * 4,
+                                types.float64), _fixed_point_abi, tag=f"_{d}") for d in _PTR
 }
 
 
@@ -521,9 +579,11 @@ def _doubling_entry(stop: int, a_dtype: str, q_dtype: str, adjoint: bool):
 
 
 @entry_point
-def _fixed_point_entry(stop: int, dtype: str, adjoint: bool, damp: int = 0):
+def _fixed_point_entry(stop: int, dtype: str, adjoint: bool, damp: int = 0, trace: bool = False):
     """Undamped: ``forward(A, Q, X0, tol, n_steps) -> X`` or ``adjoint(..., G) -> (A_bar, Q_bar, X0_bar)``;
-    damped (``damp`` a code of :data:`_DAMPINGS`): the same with ``w`` after ``n_steps``, and ``w_bar`` last."""
+    damped (``damp`` a code of :data:`_DAMPINGS`): the same with ``w`` after ``n_steps``, and ``w_bar`` last.
+    With ``trace``: ``traced(A, Q, X0, tol, n_steps[, w]) -> (X, Xs, AXs, Ps)`` (:class:`LyapunovFixedPointTrace`)
+    or ``from_trace(A, Q, X0, Xs, AXs, Ps[, w], G)`` (:class:`LyapunovFixedPointTraceGrad`)."""
     abi = _FIXED_POINT_ABI[dtype].external
     t = np.dtype(dtype).type
 
@@ -537,11 +597,78 @@ def _fixed_point_entry(stop: int, dtype: str, adjoint: bool, damp: int = 0):
         X0_, G_ = np.ascontiguousarray(X0), np.ascontiguousarray(G)
         out = np.empty((3, m, m), dtype=t)
         w_bar = np.zeros((1,), dtype=t)
-        abi(data_ptr(A_), data_ptr(Q_), data_ptr(X0_), data_ptr(G_),
-            data_ptr(out[0]), data_ptr(out[1]), data_ptr(out[2]), data_ptr(w_bar),
-            m, np.float64(tol.item()), np.int64(n_steps.item()), stop, adjoint, damp, w)
+        p_A = data_ptr(A_)  # stands in for the unused trace buffers
+        abi(p_A, data_ptr(Q_), data_ptr(X0_), data_ptr(G_),
+            data_ptr(out[0]), data_ptr(out[1]), data_ptr(out[2]), data_ptr(w_bar), p_A, p_A, p_A,
+            m, 0, 0, np.float64(tol.item()), np.int64(n_steps.item()), stop, 1 if adjoint else 0, damp, w)
         keep_alive((A_, Q_, X0_, G_, out, w_bar))
         return out[0], out[1], out[2], w_bar
+
+    @numba.njit
+    def run_traced(A, Q, X0, tol, n_steps, w):
+        m = A.shape[0]
+        if not _same_square(A.shape, Q.shape, X0.shape):
+            raise ValueError("lyapunov_fixed_point_loop: A, Q, X0 must all be (m, m) with the same m")
+        A_, Q_, X0_ = np.ascontiguousarray(A), np.ascontiguousarray(Q), np.ascontiguousarray(X0)
+        n = max(np.int64(n_steps.item()), 0)
+        cap = _trace_slots(n)
+        Xs, AXs = np.empty((cap, m, m), dtype=t), np.empty((cap, m, m), dtype=t)
+        Ps = np.empty((cap if damp != 0 else 1, m, m), dtype=t)  # undamped: one unused slot
+        copy_into(X0_, Xs[0])
+        k = 0
+        while True:  # the kernel runs until its buffers are full; here they grow as in _fixed_point_run
+            p_A = data_ptr(A_)  # stands in for the unused arguments
+            r = abi(p_A, data_ptr(Q_), p_A, p_A, p_A, p_A, p_A, p_A, data_ptr(Xs), data_ptr(AXs), data_ptr(Ps),
+                    m, Xs.shape[0], k, np.float64(tol.item()), n, stop, 2, damp, w)
+            keep_alive((A_, Q_, Xs, AXs, Ps))
+            k = r // 2
+            if r % 2 == 1:
+                break
+            Xs, AXs = _grow(Xs, n), _grow(AXs, n)
+            if damp != 0:
+                Ps = _grow(Ps, n)
+        return Xs[k].copy(), Xs[:k + 1], AXs[:k], Ps[:k if damp != 0 else 0]
+
+    @numba.njit
+    def run_from_trace(A, Q, X0, Xs, AXs, Ps, w, G):
+        m, k = A.shape[0], AXs.shape[0]
+        ok = _same_square(A.shape, Q.shape, X0.shape, G.shape, Xs.shape[1:], AXs.shape[1:], Ps.shape[1:])
+        if not (ok and Xs.shape[0] == k + 1 and Ps.shape[0] == (k if damp != 0 else 0)):
+            raise ValueError("LyapunovFixedPointTraceGrad: the trace does not match A (m, m) and the steps run")
+        A_, Q_, G_ = np.ascontiguousarray(A), np.ascontiguousarray(Q), np.ascontiguousarray(G)
+        Xs_, AXs_, Ps_ = np.ascontiguousarray(Xs), np.ascontiguousarray(AXs), np.ascontiguousarray(Ps)
+        out = np.empty((3, m, m), dtype=t)
+        w_bar = np.zeros((1,), dtype=t)
+        abi(data_ptr(A_), data_ptr(Q_), data_ptr(A_), data_ptr(G_),
+            data_ptr(out[0]), data_ptr(out[1]), data_ptr(out[2]), data_ptr(w_bar),
+            data_ptr(Xs_), data_ptr(AXs_), data_ptr(Ps_), m, 0, k, 0.0, k, stop, 3, damp, w)
+        keep_alive((A_, Q_, G_, Xs_, AXs_, Ps_, out, w_bar))
+        return out[0], out[1], out[2], w_bar
+
+    if trace and damp == 0:
+        @numba.njit
+        def traced(A, Q, X0, tol, n_steps):
+            return run_traced(A, Q, X0, tol, n_steps, 0.0)
+
+        @numba.njit
+        def from_trace(A, Q, X0, Xs, AXs, Ps, G):
+            a, q, x, _ = run_from_trace(A, Q, X0, Xs, AXs, Ps, 0.0, G)
+            return a, q, x
+
+        return from_trace if adjoint else traced
+    if trace:
+        @numba.njit
+        def traced(A, Q, X0, tol, n_steps, w):
+            return run_traced(A, Q, X0, tol, n_steps, np.float64(w.item()))
+
+        @numba.njit
+        def from_trace(A, Q, X0, Xs, AXs, Ps, w, G):
+            a, q, x, wb = run_from_trace(A, Q, X0, Xs, AXs, Ps, np.float64(w.item()), G)
+            w_bar = np.empty((), dtype=t)
+            w_bar[()] = wb[0]
+            return a, q, x, w_bar
+
+        return from_trace if adjoint else traced
 
     if damp == 0:
         @numba.njit
@@ -731,6 +858,81 @@ class LyapunovFixedPointLoopGrad(_FixedPointOp):
 
     def pullback(self, inputs, outputs, cotangents):
         return _not_differentiable(self, inputs)
+
+
+@register_fused_op
+class LyapunovFixedPointTrace(_FixedPointOp):
+    """Core Op (A, Q, X0, tol, n_steps[, w]) -> (X, Xs, AXs, Ps): :class:`LyapunovFixedPointLoop`'s ``X`` (the
+    same kernel, bit for bit) and the trace its reverse pass reads: ``Xs`` (K + 1, m, m) the iterates
+    ``X_0 .. X_K``, ``AXs`` (K, m, m) each step's ``A X_k``, ``Ps`` (K, m, m) damped each step's
+    ``(A X_k) A^T`` (undamped (0, m, m)), ``K`` the steps run.  Put in the graph by
+    :func:`share_fixed_point_trace`; unbatched, not differentiable."""
+
+    def make_node(self, A, Q, X0, tol, n_steps, *w):
+        inputs = self._inputs(A, Q, X0, tol, n_steps, *(w or [None]))
+        X = inputs[2]
+        trace = pt.tensor(dtype=X.type.dtype, shape=(None, *X.type.shape))
+        return Apply(self, inputs, [X.type(), trace.type(), trace.type(), trace.type()])
+
+    def infer_shape(self, node, input_shapes):
+        raise ShapeError("the trace's length is the number of steps run")  # PyTensor then reads the outputs' shapes
+
+    def numba_fn(self, node):
+        return _fixed_point_entry(_STOPS[self.stop], node.inputs[0].type.dtype, False, _DAMPINGS[self.damping], True)
+
+    def pullback(self, inputs, outputs, cotangents):
+        return _not_differentiable(self, inputs)
+
+
+@register_fused_op
+class LyapunovFixedPointTraceGrad(_FixedPointOp):
+    """Core Op (A, Q, X0, Xs, AXs, Ps[, w], G) -> (A_bar, Q_bar, X0_bar[, w_bar]):
+    :class:`LyapunovFixedPointLoopGrad`'s reverse pass (the same kernel) on the trace of a
+    :class:`LyapunovFixedPointTrace` instead of a second run of the loop (``X0`` gives only the type of
+    ``X0_bar``).  Not differentiable."""
+
+    @property
+    def _output_shape_from(self):
+        return (0, 1, 2, *([6] if self.damping else []))
+
+    def make_node(self, A, Q, X0, Xs, AXs, Ps, *rest):
+        if len(rest) != 1 + len(self._w):
+            raise TypeError(f"{self}: expected {7 + len(self._w)} inputs, got {6 + len(rest)}")
+        inputs = list(map(pt.as_tensor_variable, (A, Q, X0, Xs, AXs, Ps, *rest)))
+        return Apply(self, inputs, [x.type() for x in (*inputs[:3], *inputs[6:6 + len(self._w)])])
+
+    def numba_fn(self, node):
+        return _fixed_point_entry(_STOPS[self.stop], node.inputs[0].type.dtype, True, _DAMPINGS[self.damping], True)
+
+    def pullback(self, inputs, outputs, cotangents):
+        return _not_differentiable(self, inputs)
+
+
+@node_rewriter([LyapunovFixedPointLoopGrad])
+def share_fixed_point_trace(fgraph, node):
+    """A loop's value and its gradient in one graph: the gradient reads the forward run's trace.
+
+    :class:`LyapunovFixedPointLoopGrad` runs the loop again to keep its iterates.  Where the graph also
+    computes the loop's value (a :class:`LyapunovFixedPointLoop` on the same inputs, what
+    ``pytensor.grad`` of a cost of ``X`` builds), both become one :class:`LyapunovFixedPointTrace` (the same
+    run, keeping the trace) and a :class:`LyapunovFixedPointTraceGrad` reading it: the same arithmetic, one
+    run of the loop instead of two.  Core Ops only (a batched loop keeps its Ops); registered for the Numba
+    backend (``specialize``, tags ``numba``, ``iterops``)."""
+    op = node.op
+    inputs = node.inputs[:-1]
+    forward = LyapunovFixedPointLoop(op.stop, op.damping)
+    fwd = next((c for c, _ in fgraph.clients.get(inputs[0], ())
+                if c is not node and c.op == forward and list(c.inputs) == list(inputs)), None)
+    if fwd is None:
+        return None
+    X, Xs, AXs, Ps = LyapunovFixedPointTrace(op.stop, op.damping)(*inputs)
+    w = inputs[5:]
+    bars = LyapunovFixedPointTraceGrad(op.stop, op.damping)(*inputs[:3], Xs, AXs, Ps, *w, node.inputs[-1])
+    copy_stack_trace(fwd.outputs[0], X)
+    return {fwd.outputs[0]: X, **dict(zip(node.outputs, bars))}
+
+
+optdb["specialize"].register("iterops_share_fixed_point_trace", share_fixed_point_trace, "numba", "iterops")
 
 
 def _not_differentiable(op, inputs):
