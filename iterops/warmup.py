@@ -2,6 +2,7 @@
 
     python -m iterops.warmup                 # float64 kernels (what PyMC models use)
     python -m iterops.warmup --all-dtypes    # also the float32 / complex variants
+    python -m iterops.warmup --jobs 2        # split over two processes (each kernel compiled once)
 
 iterops' kernels are compiled by Numba once per machine (and again after an upgrade of iterops
 or Numba) and cached on disk (see :func:`iterops._fused.kernel_cache_dir`; ``NUMBA_CACHE_DIR``
@@ -26,15 +27,20 @@ import time
 __all__ = ["warm_kernels", "warm_graphs", "main"]
 
 
-def warm_kernels(all_dtypes: bool = False, log=print) -> list[tuple[str, float, bool]]:
-    """Compile (or load) every :class:`iterops._fused.OpaqueKernel`; ``[(name, seconds, was_cached)]``."""
+def _share(items, part):
+    """The items of ``part = (i, n)``: every n-th one from the i-th (all of them for ``(0, 1)``)."""
+    i, n = part
+    return list(items)[i::n]
+
+
+def warm_kernels(all_dtypes: bool = False, log=print, part=(0, 1)) -> list[tuple[str, float, bool]]:
+    """Compile (or load) every :class:`iterops._fused.OpaqueKernel` (of ``part``, see :func:`main`);
+    ``[(name, seconds, was_cached)]``."""
     import iterops  # noqa: F401  (defines every kernel)
     from iterops._fused import OPAQUE_KERNELS
 
     done = []
-    for kernel in OPAQUE_KERNELS:
-        if not (all_dtypes or kernel.float64_only):
-            continue
+    for kernel in _share((k for k in OPAQUE_KERNELS if all_dtypes or k.float64_only), part):
         cached = kernel.is_cached()
         t0 = time.perf_counter()
         kernel.compile()  # or loads it from the cache, and registers it (also a LazyKernel's: it compiles on first use)
@@ -103,12 +109,13 @@ def _graphs(dtype: str):
     return [(name, i, o, [np.asarray(v, dtype=dtype) for v in vs]) for name, i, o, vs in out]
 
 
-def warm_graphs(dtype: str = "float64", log=print) -> list[tuple[str, float]]:
-    """Compile and run one small graph per public function (values and gradients) in the default mode."""
+def warm_graphs(dtype: str = "float64", log=print, part=(0, 1)) -> list[tuple[str, float]]:
+    """Compile and run one small graph per public function (values and gradients) in the default mode
+    (those of ``part``, see :func:`main`)."""
     import pytensor
 
     done = []
-    for name, ins, outs, values in _graphs(dtype):
+    for name, ins, outs, values in _share(_graphs(dtype), part):
         t0 = time.perf_counter()
         pytensor.function(ins, outs)(*values)
         dt = time.perf_counter() - t0
@@ -122,7 +129,17 @@ def main(argv=None) -> int:
     parser.add_argument("--all-dtypes", action="store_true",
                         help="also the float32 and complex kernel variants (default: float64 only)")
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="processes to split the work over (each compiles its share once; default 1)")
+    parser.add_argument("--part", default="0/1", help=argparse.SUPPRESS)  # i/n: the share of one of --jobs n
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.jobs > 1:
+        return _run_parts(args.jobs, [*(["--all-dtypes"] if args.all_dtypes else []),
+                                      *(["--quiet"] if args.quiet else [])])
+    i, n = (int(v) for v in args.part.split("/"))
+    part = (i, n)
     log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, flush=True))
 
     import logging
@@ -134,12 +151,24 @@ def main(argv=None) -> int:
     t0, c0 = time.perf_counter(), time.process_time()
     log(f"iterops warm-up: Numba cache in {numba.core.config.CACHE_DIR or kernel_cache_dir()}")
     log("C-ABI kernels:")
-    warm_kernels(args.all_dtypes, log)
+    warm_kernels(args.all_dtypes, log, part)
     log("graphs (each public function with its gradient):")
     for dtype in ("float64", "float32") if args.all_dtypes else ("float64",):
-        warm_graphs(dtype, log)
+        warm_graphs(dtype, log, part)
     log(f"done in {time.perf_counter() - t0:.0f} s ({time.process_time() - c0:.0f} CPU s)")
     return 0
+
+
+def _run_parts(jobs: int, flags: list[str]) -> int:
+    """``--jobs n``: n processes, the i-th warming every n-th kernel and graph from the i-th, so that no
+    kernel is compiled twice (as it is when two processes need it at the same time, e.g. two test workers).
+    Returns the first non-zero exit status."""
+    import subprocess
+
+    procs = [subprocess.Popen([sys.executable, "-m", "iterops.warmup", "--part", f"{i}/{jobs}", *flags])
+             for i in range(jobs)]
+    codes = [p.wait() for p in procs]
+    return next((c for c in codes if c), 0)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import iterops
 
 _KERNELS = '''
@@ -158,3 +160,18 @@ def test_lazy_kernel_compiles_on_its_first_call_from_any_thread(tmp_path):
         assert "values: True" in out.stdout and "compiled after the call: True cached: True" in out.stdout
         said = [line for line in out.stderr.splitlines() if line.startswith("iterops:")]
         assert len(said) == (1 if first else 0), said
+
+
+@pytest.mark.parametrize("jobs", [1, 2, 3, 5])
+def test_warmup_parts_cover_every_kernel_and_graph_once(jobs):
+    """``python -m iterops.warmup --jobs n``: the n shares are disjoint and together are the whole list, in order."""
+    from iterops._fused import OPAQUE_KERNELS
+    from iterops.warmup import _share
+
+    names = [k.name for k in OPAQUE_KERNELS]
+    parts = [_share(names, (i, jobs)) for i in range(jobs)]
+    assert sorted(sum(parts, [])) == sorted(names)
+    assert len(sum(parts, [])) == len(names)
+    assert all(p == [x for x in names if x in p] for p in parts)
+    if jobs <= len(names):
+        assert all(parts)
