@@ -76,6 +76,30 @@ def test_acovf_grad(rng):
     verify_grad(lambda x: yule_walker(acovf(x, 3), 3)[0], [x], rng=rng, mode=FAST)
 
 
+@pytest.mark.parametrize("adjusted", [False, True])
+def test_acovf_float32_gradient_compiles_in_numba_mode(adjusted, rng):
+    """Regression: the gradient of a float32 ``acovf`` divided by an int64 length, upcast its kernel to
+    float64 and handed PyTensor's Numba ``convolve1d`` mixed dtypes, which failed to compile (found by
+    ``python -m iterops.warmup --all-dtypes``).  Oracle: the closed form, for ``demean=False``,
+    ``d sum_k acov_k / dx_m = sum_k (x_{m-k} + x_{m+k}) / d_k``."""
+    n, L = 9, 3
+    x = pt.vector("x", dtype="float32")
+    acov = acovf(x, L, demean=False, adjusted=adjusted)
+    fn = pytensor.function([x], [acov, pytensor.grad(acov.sum(), x)])
+    xv = rng.normal(size=n).astype("float32")
+    got_acov, got_grad = fn(xv)
+    assert got_acov.dtype == got_grad.dtype == np.float32
+    xd = xv.astype(float)
+    want = np.zeros(n)
+    for k in range(L + 1):
+        dk = n - k if adjusted else n
+        want[k:] += xd[: n - k] / dk
+        want[: n - k] += xd[k:] / dk
+    np.testing.assert_allclose(got_grad, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_acov, sm_acovf(xd, nlag=L, demean=False, adjusted=adjusted, fft=False),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_levinson_durbin_batched_vs_looped(rng):
     acovs = np.stack([sm_acov(random_ar(rng, 3), s, 5) for s in (0.5, 1.0, 2.0)])
     ar, sigma2, pacf = evaluate(*levinson_durbin(acovs, 4))

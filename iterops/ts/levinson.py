@@ -252,7 +252,9 @@ class AutoCov(FusedOp):
             return [disconnected_type()]
         # acov_k = sum_t x_{t+k} x_t / d_k  =>  x_bar_m = sum_k h_k (x_{m-k} + x_{m+k}),  h = g / d
         n, L = x.shape[0], self.nlags
-        d = (n - pt.arange(L + 1)) if self.adjusted else n
+        # the divisor in x's dtype: an int64 one upcasts float32 to float64, and PyTensor's Numba
+        # convolve1d fails on mixed dtypes
+        d = pt.cast((n - pt.arange(L + 1)) if self.adjusted else n, x.dtype)
         h = g / d
         if L == 0:
             return [2 * h[0] * x]  # acov_0 = x.x / d_0 (PyTensor's Numba convolution rejects a length-1 kernel)
