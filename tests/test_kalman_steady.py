@@ -154,7 +154,9 @@ _GRAD_FNS = {}
 def gradient_fns(jitter):
     """(ours, pymc-extras') compiled ``[weighted sum, its gradient w.r.t. a0, P0, c, ..., Q]``, inputs
     ``(y, a0, ..., Q, *weights)``; ours also returns ``predicted_cov``.  pymc-extras' Scan is compiled
-    without iterops' rewrites (else it would be fused into our own Op).  One compile per jitter."""
+    without iterops' rewrites (else it would be fused into our own Op), on PyTensor's Python linker (the
+    same graph, evaluated Op by Op: a Numba compile of the Scan and its gradient Scan took minutes in a
+    fresh checkout).  One compile per jitter."""
     if jitter not in _GRAD_FNS:
         from pymc_extras.statespace.filters.kalman_filter import StandardFilter
 
@@ -170,9 +172,9 @@ def gradient_fns(jitter):
                               "predicted_covariances")], ws,
         )
         fn_ours = pytensor.function([*ins, *ws], [ours, *pytensor.grad(ours, ins[1:]), res.predicted_cov])
-        fn_theirs = pytensor.function(
+        fn_theirs = pytensor.function(  # the oracle on the Python linker: no Numba compile of the Scan pair
             [*ins, *ws], [theirs, *pytensor.grad(theirs, ins[1:])],
-            mode=pytensor.compile.get_default_mode().excluding("iterops"),
+            mode=pytensor.compile.get_mode("FAST_COMPILE").excluding("iterops"),
         )
         _GRAD_FNS[jitter] = fn_ours, fn_theirs
     return _GRAD_FNS[jitter]
