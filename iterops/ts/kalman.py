@@ -179,7 +179,7 @@ from iterops._validate import as_tensor, float_dtype
 from iterops.ts._kalman_adjoint import Cotangents, InputCotangents, kalman_adjoint_kernel
 from iterops.ts._kalman_diffuse import DiffuseOutputs, diffuse_adjoint, diffuse_filter, diffuse_outputs
 from iterops.ts._kalman_filter import FilterOutputs, filter_into, filter_outputs, kalman_filter_kernel
-from iterops.ts._kalman_steps import AUTO, MULTIVARIATE, UNIVARIATE, Options, System, prefers_univariate
+from iterops.ts._kalman_steps import AUTO, MULTIVARIATE, UNIVARIATE, Options, System, diagonal, prefers_univariate
 
 __all__ = [
     "kalman_filter",
@@ -1036,7 +1036,7 @@ def _choose_update(m, p, H, univariate="auto", forecast_cov=True):
     H = np.asarray(H, dtype=float)
     mode = UPDATE_MODES[univariate]
     uni = mode == UNIVARIATE or (mode == AUTO and prefers_univariate.py_func(m, p, forecast_cov))
-    diag = bool(np.all((H + H.T)[~np.eye(H.shape[-1], dtype=bool)] == 0.0))
+    diag = diagonal.py_func(H)  # the kernel's own check, run in Python
     return "univariate" if uni and diag else "multivariate"
 
 
