@@ -13,13 +13,13 @@ from pytensor.gradient import NullTypeGradError, verify_grad
 from statsmodels.tsa.arima_process import arma_pacf
 from statsmodels.tsa.stattools import levinson_durbin_pacf as sm_levinson_durbin_pacf
 
-from conftest import evaluate, jacobian_check, random_ar, random_pacf, sm_acov
+from conftest import FAST_PY, evaluate, jacobian_check, random_ar, random_pacf, sm_acov
 from iterops.reference_loops import step_up_loop
 from iterops.ts import ar_to_acov, ar_to_pacf, levinson_durbin, pacf_to_ar, solve_toeplitz, yule_walker
 
 # Gradient and batching checks compile many small graphs: use the Python linker (whose perform
 # runs the same Numba kernels); every linker is covered by the ``mode``-parametrized tests.
-FAST = "FAST_COMPILE"
+FAST = FAST_PY  # FAST_COMPILE, Scans (the reference loops, jacobians) included, run by perform
 
 
 def _is_stationary(phi):

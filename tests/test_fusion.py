@@ -20,6 +20,7 @@ from pytensor.scan.op import Scan
 from pytensor.scan.utils import until
 
 import iterops
+from conftest import SCAN_ORACLE
 from iterops.linalg.block_diag import BlockDiag
 from iterops.linalg.lyapunov_iteration import LyapunovFixedPointLoop, SmithDoublingLoop
 
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:matrix_dot is deprecated:FutureW
 
 
 #: the unrewritten reference: Python linker (cheap to compile), iterops rewrites off
-_SCAN_MODE = get_mode("FAST_COMPILE").excluding("iterops")
+_SCAN_MODE = SCAN_ORACLE
 
 
 def _ops(f):
@@ -237,7 +238,7 @@ def test_nested_loop_inner_graph_is_rewritten(mode, rng):
 
 def test_excluding_iterops_keeps_scan(doubling_graph):
     inputs, X = doubling_graph
-    f = pytensor.function(inputs, X, mode=get_mode("FAST_COMPILE").excluding("iterops"))
+    f = pytensor.function(inputs, X, mode=SCAN_ORACLE)
     assert any(isinstance(op, Scan) for op in _ops(f)) and not _has(f, LOOP_OPS)
 
 

@@ -50,7 +50,6 @@ import pytensor.tensor as pt
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pytensor.compile.mode import get_mode
 from pytensor.graph.basic import Constant, Variable
 from pytensor.graph.replace import graph_replace
 from pytensor.graph.traversal import io_toposort
@@ -61,13 +60,15 @@ from pytensor.tensor.elemwise import DimShuffle, Elemwise
 from pytensor.tensor.math import Dot
 
 import iterops
+from conftest import SCAN_ORACLE, as_run_by_python
 from iterops import reference_loops as ref
 from iterops.fusion.patterns.kalman import _pymc_extras_step
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning")
 
-_SCAN_MODE = get_mode("FAST_COMPILE").excluding("iterops")
-_FUSED_MODE = get_mode("FAST_COMPILE")
+# both sides run by ``perform`` (conftest.PythonMode): the fused side with FAST_COMPILE's rewrites, iterops' included
+_SCAN_MODE = SCAN_ORACLE
+_FUSED_MODE = as_run_by_python("FAST_COMPILE")
 EXAMPLES = int(os.environ.get("ITEROPS_FUZZ_EXAMPLES", "12"))
 DEEP = int(os.environ.get("ITEROPS_FUZZ_DEEP", "150"))
 STATS: collections.Counter = collections.Counter()

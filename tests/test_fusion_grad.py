@@ -2,8 +2,13 @@
 
 For every pattern, ``pytensor.function(inputs, [cost, *pytensor.grad(cost, wrt)])``
 (no ``fuse_loops``) holds an iterops Op and no Scan, and its values and
-gradients equal the same graph compiled with ``mode.excluding("iterops")``
-(PyTensor's own gradient Scan: the oracle).  Also: every linker, gradients
+gradients equal the same graph with iterops excluded (PyTensor's own gradient
+Scan: the oracle).  The oracle runs on PyTensor's Python VM (``SCAN_ORACLE``):
+a cold Numba compile of a Scan and its gradient Scan costs a minute or more
+each, and the Python VM runs the same graph Op by Op.  The literal comparison,
+with ``mode.excluding("iterops")`` compiled by Numba, runs for one case per
+pattern family in the default run and for every case under ``-m slow``
+(``test_plain_grad_equals_the_numba_compiled_scan``).  Also: every linker, gradients
 w.r.t. a subset of the inputs, several costs through one loop, a loop nested
 in an outer Scan, ``iterops.explain`` on the gradient Scan; and the cases that
 must keep the Scans (truncated gradient, second derivative, a read of an
@@ -18,6 +23,7 @@ from pytensor.compile.mode import get_mode
 from pytensor.scan.op import Scan
 
 import iterops
+from conftest import SCAN_ORACLE, as_run_by_python
 from iterops import reference_loops as rl
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning")
@@ -44,14 +50,17 @@ def _weights(o, k):
     return pt.cos(0.7 * pt.arange(o.size) + k).reshape(o.shape)
 
 
-def _assert_fused_and_equal(ins, outs, vals, mode="NUMBA", rtol=1e-8, atol=1e-10, fused=True):
-    f = pytensor.function(ins, outs, mode=mode)
-    ref = pytensor.function(ins, outs, mode=_excluded(mode))
+def _assert_fused_and_equal(ins, outs, vals, mode="NUMBA", rtol=1e-8, atol=1e-10, fused=True, oracle=SCAN_ORACLE):
+    """``outs`` compiled in ``mode`` is fused (or, ``fused=False``, keeps its Scans) and equals ``oracle``'s
+    graph, the Scans with iterops excluded.  A kept graph is ``mode``'s rewritten graph run on the Python VM
+    (the Scans a Numba compile would take minutes over are PyTensor's, not iterops')."""
+    f = pytensor.function(ins, outs, mode=mode if fused else as_run_by_python(mode))
+    ref = pytensor.function(ins, outs, mode=oracle)
     assert _has_scan(ref)
     if fused:
         assert _has_iterops(f) and not _has_scan(f), str(iterops.explain(outs))
     else:
-        assert _has_scan(f)
+        assert _has_scan(f) and not _has_iterops(f)
     for g, w in zip(f(*vals), ref(*vals)):
         np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
     return f
@@ -185,6 +194,20 @@ def test_plain_grad_is_fused_and_equal(name, rng):
     _assert_fused_and_equal(ins, [cost, *pytensor.grad(cost, wrt)], vals)
 
 
+# one case per pattern family against the Numba-compiled Scan by default, every case under -m slow
+_NUMBA_ORACLE_DEFAULT = {"fixed_point", "block_diag", "levinson_all", "kalman_ll"}
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in _NUMBA_ORACLE_DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in CASES]
+)
+def test_plain_grad_equals_the_numba_compiled_scan(name, rng):
+    """The Done-when's literal oracle: the same graph compiled with ``get_mode("NUMBA").excluding("iterops")``."""
+    ins, out, wrt, vals = CASES[name](rng)
+    cost = _cost(out)
+    _assert_fused_and_equal(ins, [cost, *pytensor.grad(cost, wrt)], vals, oracle=_excluded("NUMBA"))
+
+
 @pytest.mark.parametrize("mode", ["CVM", "FAST_COMPILE"])
 @pytest.mark.parametrize("name", ["fixed_point", "damped_fixed_point", "levinson_all", "kalman_ll"])
 def test_other_linkers(name, mode, rng):
@@ -227,7 +250,7 @@ def test_loop_nested_in_an_outer_scan(rng):
     L = rng.normal(size=(3, 3))
     vals = [np.stack([_stable(rng) for _ in range(3)]), L @ L.T + np.eye(3)]
     f = pytensor.function([As, Q], [cs, gAs, gQs])
-    ref = pytensor.function([As, Q], [cs, gAs, gQs], mode=_excluded("NUMBA"))
+    ref = pytensor.function([As, Q], [cs, gAs, gQs], mode=SCAN_ORACLE)
     (outer,) = [n for n in f.maker.fgraph.apply_nodes if isinstance(n.op, Scan)]
     inner_ops = [type(n.op).__name__ for n in outer.op.fgraph.apply_nodes]
     # the fused gradient; under Numba the reverse pass reads the forward run's trace (share_fixed_point_trace)

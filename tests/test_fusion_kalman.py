@@ -19,15 +19,15 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from pytensor.compile.mode import get_mode
 from pytensor.scan.op import Scan
 
 import iterops
+from conftest import FAST_PY, SCAN_ORACLE
 from iterops.ts.kalman import KalmanFilter
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning")
 
-_SCAN_MODE = get_mode("FAST_COMPILE").excluding("iterops")
+_SCAN_MODE = SCAN_ORACLE
 N, M, P, R_ = 25, 3, 2, 2
 
 
@@ -291,7 +291,7 @@ def test_pymc_extras_other_filters_stay_scans(filter_name, pe_data):
     ins, vals = [s[k] for k in names], [vals[k] for k in names]
     ll = outs[-1].sum()
     grads = pytensor.grad(ll, [s["a0"], s["L0"], s["T"], s["LH"]])
-    f = pytensor.function(ins, [ll, *grads], mode="FAST_COMPILE")
+    f = pytensor.function(ins, [ll, *grads], mode=FAST_PY)
     assert not _has_kalman(f)
     ref = pytensor.function(ins, [ll, *grads], mode=_SCAN_MODE)
     for g, w in zip(f(*vals), ref(*vals)):
@@ -370,7 +370,7 @@ def test_square_root_filter_on_near_singular_inputs_a_fused_filter_breaks_the_co
                                                                    s["R"], H, Q)
     loop = pytensor.function(ins, [outs[0], outs[-1]], mode=_SCAN_MODE)
     res = iterops.ts.kalman_filter(s["y"], s["a0"], P0, c=c, d=d, T=s["T"], Z=s["Z"], R=s["R"], H=H, Q=Q)
-    fused = pytensor.function(ins, [res.filtered_state, res.loglik_obs], mode="FAST_COMPILE")
+    fused = pytensor.function(ins, [res.filtered_state, res.loglik_obs], mode=FAST_PY)
     vals = dict(zip(s, _kalman_values()[0]))
     base = [np.asarray(v, dtype="float64") for v in vals.values()]
     want = loop(*base)
@@ -444,7 +444,7 @@ def test_pymc_extras_models_with_other_filters_logp_dlogp(kept_filter_model):
     ``compile_dlogp`` with iterops (rewrite registered, PyMC's pre-gradient pass included) equal the same
     model compiled with no pattern; no Kalman Op appears (the filters are kept)."""
     model = kept_filter_model
-    logp, dlogp = model.compile_logp(mode="FAST_COMPILE"), model.compile_dlogp(mode="FAST_COMPILE")
+    logp, dlogp = model.compile_logp(mode=FAST_PY), model.compile_dlogp(mode=FAST_PY)
     for fn in (logp, dlogp):
         assert not _has_kalman(fn.f)
     _compare_with_unfused(model, logp, dlogp, n_points=2, scale=0.3)

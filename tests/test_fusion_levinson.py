@@ -9,14 +9,14 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from pytensor.compile.mode import get_mode
 from pytensor.scan.op import Scan
 from statsmodels.tsa.stattools import levinson_durbin as sm_levinson_durbin
 
 import iterops
+from conftest import SCAN_ORACLE
 from iterops.ts.levinson_recursion import LevinsonRecursion
 
-_SCAN_MODE = get_mode("FAST_COMPILE").excluding("iterops")
+_SCAN_MODE = SCAN_ORACLE
 ORDER = 4
 
 

@@ -25,6 +25,7 @@ from pytensor.scan.op import Scan
 from pytensor.scan.utils import until
 
 import iterops
+from conftest import FAST_PY
 from iterops.fusion import disabled, is_enabled, set_enabled
 from iterops.linalg.lyapunov_iteration import SmithDoublingLoop
 from iterops.ts.kalman import KalmanFilterGrad
@@ -119,7 +120,7 @@ def _check_model(model, fused_op, point_seed, rtol):
     fused = model.compile_fn([model.logp(), model.dlogp()])  # dlogp: rewrite_pregrad, then the gradient
     assert _has(fused.f, fused_op) and not _has_scan(fused.f)
     with disabled():
-        ref = model.compile_fn([model.logp(), model.dlogp()], mode="FAST_COMPILE")
+        ref = model.compile_fn([model.logp(), model.dlogp()], mode=FAST_PY)
     assert _has_scan(ref.f) and not _has(ref.f, fused_op)
     ip = model.initial_point()
     rng = np.random.default_rng(point_seed)
@@ -209,9 +210,9 @@ def test_last_state_reads_are_fused(name):
     for graph in (out, rewrite_pregrad(out)):
         fused = iterops.fuse_loops(graph)
         assert not iterops.explain(fused).scans
-        f = pytensor.function([A_, Q_, K_], fused, mode="FAST_COMPILE", on_unused_input="ignore")
+        f = pytensor.function([A_, Q_, K_], fused, mode=FAST_PY, on_unused_input="ignore")
         with disabled():
-            ref = pytensor.function([A_, Q_, K_], graph, mode="FAST_COMPILE", on_unused_input="ignore")
+            ref = pytensor.function([A_, Q_, K_], graph, mode=FAST_PY, on_unused_input="ignore")
         np.testing.assert_allclose(f(A, Q, 100), ref(A, Q, 100), rtol=1e-10, atol=1e-12)
 
 

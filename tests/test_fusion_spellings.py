@@ -13,6 +13,7 @@ from pytensor.compile.mode import get_mode
 from pytensor.scan.op import Scan
 
 import iterops
+from conftest import FAST_PY, SCAN_ORACLE
 from iterops import reference_loops as ref
 from iterops.linalg.block_diag import BlockDiag
 from iterops.linalg.lyapunov_iteration import LyapunovFixedPointLoop, LyapunovFixedPointTrace
@@ -21,7 +22,7 @@ from iterops.ts.levinson_recursion import LevinsonRecursion
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning")
 
-_SCAN_MODE = get_mode("FAST_COMPILE").excluding("iterops")
+_SCAN_MODE = SCAN_ORACLE
 N, M, P, R_ = 20, 3, 2, 2
 
 
@@ -385,7 +386,7 @@ def _compare_damped(ins, outs, wrt, vals, rtol=1e-7, atol=1e-9):
 
     cost = sum((o * pt.cos(0.7 * pt.arange(o.size) + k).reshape(o.shape)).sum() for k, o in enumerate(outs))
     grads = pytensor.grad(cost, wrt)
-    f = pytensor.function(ins, [*outs, *grads], mode="FAST_COMPILE")
+    f = pytensor.function(ins, [*outs, *grads], mode=FAST_PY)
     g = pytensor.function(ins, [*outs, *grads], mode=_SCAN_MODE)
     assert _has(f, LyapunovFixedPointLoop) and not _has(f, Scan), str(iterops.explain(outs))
     fg = FunctionGraph(outputs=[*outs, *grads], clone=True)
@@ -497,7 +498,7 @@ def test_damped_fixed_point_near_misses_stay_scans(change):
 
 def test_damped_fixed_point_truncated_gradient_keeps_the_scans():
     out = ref.damped_fixed_point_loop(_DA, _DQ, _DW, X0=_DX0, tol=_DTOL, n_steps=100, truncate_gradient=3)
-    f = pytensor.function([_DA, _DQ, _DX0, _DW, _DTOL], pytensor.grad(out.sum(), _DW), mode="FAST_COMPILE")
+    f = pytensor.function([_DA, _DQ, _DX0, _DW, _DTOL], pytensor.grad(out.sum(), _DW), mode=FAST_PY)
     assert _has(f, Scan) and not _has(f, LyapunovFixedPointLoop)
 
 
@@ -515,7 +516,7 @@ def test_constant_negative_n_steps_raises_as_the_loop(loop):
     ``n_steps`` when it runs; the fused graph ran 0 steps and returned ``X0`` when ``n_steps`` was a constant."""
     out = (ref.fixed_point_loop(_DA, _DQ, _DX0, tol=_DTOL, n_steps=-1) if loop == "fixed point"
            else ref.damped_fixed_point_loop(_DA, _DQ, _DW, X0=_DX0, tol=_DTOL, n_steps=-1))
-    f = pytensor.function([_DA, _DQ, _DX0, _DTOL, _DW], out, mode="FAST_COMPILE", on_unused_input="ignore")
+    f = pytensor.function([_DA, _DQ, _DX0, _DTOL, _DW], out, mode=FAST_PY, on_unused_input="ignore")
     g = pytensor.function([_DA, _DQ, _DX0, _DTOL, _DW], out, mode=_SCAN_MODE, on_unused_input="ignore")
     assert not _has(f, Scan)
     vals = [0.5 * np.eye(2), np.eye(2), np.eye(2), 1e-8, 0.5]

@@ -33,6 +33,7 @@ from pytensor.link.jax.dispatch import jax_funcify  # noqa: E402
 from pytensor.scan.op import Scan  # noqa: E402
 
 import iterops  # noqa: E402
+from conftest import SCAN_ORACLE  # noqa: E402
 from iterops import demo  # noqa: E402
 from iterops.jax import ar as jar  # noqa: E402
 from iterops.jax import kalman as jkalman  # noqa: E402
@@ -554,7 +555,7 @@ def test_jit_vmap_levinson_recursion_gradient_against_reference_scan(rng):
     gammas = np.stack([_ar_acov(rng)[: order + 2], np.r_[2.0, 0.5 * rng.normal(size=order + 1)],
                        np.r_[1.0, 1.5, 0.2, -0.7, 0.3, 0.1]])
     w_phi, w_v, w_k = rng.normal(size=order), rng.normal(), rng.normal(size=order)
-    mode = pytensor.compile.get_mode("FAST_COMPILE").excluding("iterops")
+    mode = SCAN_ORACLE
     for v_form, spelling in enumerate(V_UPDATES):
         g = pt.dvector("gamma")
         phi, v, kappa = levinson_loop(g, order, step=levinson_spelled_step(spelling))
@@ -742,8 +743,7 @@ def test_scan_loops_are_fused_under_jax(rng):
     ops = [type(getattr(node.op, "core_op", node.op)) for node in fgraph.toposort()]
     assert KalmanFilter in ops and SmithDoublingLoop in ops and Scan not in ops
     values = [*vals, A, Qm]
-    unfused_mode = pytensor.compile.get_default_mode().excluding("iterops")
-    unfused = pytensor.function(inputs, [cost, *pytensor.grad(cost, [tv, a])], mode=unfused_mode)
+    unfused = pytensor.function(inputs, [cost, *pytensor.grad(cost, [tv, a])], mode=SCAN_ORACLE)
     expected = unfused(*values)
     np.testing.assert_allclose(fn(*values)[0], expected[0], rtol=1e-10)
     g = jax.grad(lambda t, a_: fn(*values[:3], t, *values[4:8], a_, values[9])[0], argnums=(0, 1))(

@@ -17,6 +17,7 @@ from pytensor.gradient import NullTypeGradError, verify_grad
 from statsmodels.tsa.statespace.kalman_smoother import KalmanSmoother as SMKalmanSmoother
 
 from iterops.ts import kalman_filter, kalman_smoother, stationary_cov
+from conftest import SCAN_ORACLE
 
 NAMES = ("c", "d", "T", "Z", "R", "H", "Q")
 FIELDS = (
@@ -281,7 +282,7 @@ NO_ITEROPS = pytensor.compile.mode.get_default_mode().excluding("iterops")  # th
 # The reference Scans and their autodiff gradients on PyTensor's Python linker: the same graph, evaluated
 # Op by Op, so the oracle costs no Numba compile of a Scan and its gradient Scan (minutes in a fresh
 # checkout, the largest items of the suite's time)
-REFERENCE = pytensor.compile.mode.get_mode("FAST_COMPILE").excluding("iterops")
+REFERENCE = SCAN_ORACLE
 
 
 def _compare_gradients(ins, names, ours, ref, values, *, sym_P0, sym_read=("P0",)):

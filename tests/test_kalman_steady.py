@@ -14,6 +14,7 @@ from pytensor.gradient import verify_grad
 from statsmodels.tsa.statespace.kalman_filter import KalmanFilter as SMKalmanFilter
 
 from iterops.ts import kalman_filter
+from conftest import SCAN_ORACLE
 
 NAMES = ("c", "d", "T", "Z", "R", "H", "Q")
 INPUTS = ("y", "a0", "P0", *NAMES)
@@ -174,7 +175,7 @@ def gradient_fns(jitter):
         fn_ours = pytensor.function([*ins, *ws], [ours, *pytensor.grad(ours, ins[1:]), res.predicted_cov])
         fn_theirs = pytensor.function(  # the oracle on the Python linker: no Numba compile of the Scan pair
             [*ins, *ws], [theirs, *pytensor.grad(theirs, ins[1:])],
-            mode=pytensor.compile.get_mode("FAST_COMPILE").excluding("iterops"),
+            mode=SCAN_ORACLE,
         )
         _GRAD_FNS[jitter] = fn_ours, fn_theirs
     return _GRAD_FNS[jitter]

@@ -21,11 +21,12 @@ from statsmodels.tsa.stattools import acovf as sm_acovf
 from statsmodels.tsa.stattools import levinson_durbin as sm_levinson_durbin
 from statsmodels.tsa.stattools import levinson_durbin_pacf as sm_levinson_durbin_pacf
 
+from conftest import SCAN_ORACLE
 from iterops.reference_loops import levinson_loop, levinson_step
 from iterops.ts.levinson_recursion import levinson_recursion
 
-# the user's Scan as it runs without iterops' Scan fusion
-ORACLE_MODE = pytensor.compile.get_default_mode().excluding("iterops")
+# the user's Scan as it runs without iterops' Scan fusion, Op by Op on PyTensor's Python VM
+ORACLE_MODE = SCAN_ORACLE
 RTOL = {"float64": 1e-9, "float32": 2e-4}
 
 # ---------------------------------------------------------------------------

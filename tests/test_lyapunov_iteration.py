@@ -16,11 +16,12 @@ from pytensor.gradient import DisconnectedInputError, verify_grad
 from pytensor.scan.op import Scan
 from pytensor.scan.utils import until
 
-from conftest import spd, stable
+from conftest import SCAN_ORACLE, spd, stable
 from iterops import reference_loops as ref
 from iterops.linalg import lyapunov_fixed_point_loop, smith_doubling_loop
 
-REF_MODE = pytensor.compile.get_default_mode().excluding("iterops")
+#: the user's Scans with iterops excluded, run Op by Op on PyTensor's Python VM (conftest.SCAN_ORACLE)
+REF_MODE = SCAN_ORACLE
 STOPS = ["max_lt", "max_le", "fro_lt", None]
 
 # ---------------------------------------------------------------------------
@@ -390,8 +391,6 @@ DAMPED_UPDATES = {
 }
 
 
-#: the damped Scan oracle through the Python linker (many small graphs: Numba would compile each)
-_DAMPED_REF_MODE = pytensor.compile.get_mode("FAST_COMPILE").excluding("iterops")
 
 
 @cache
@@ -410,7 +409,7 @@ def damped_fn(impl, damping, stop, dtype="float64", mode=None):
     else:
         X = lyapunov_fixed_point_loop(A, Q, X0, tol, n, stop, w=w, damping=damping)
     W = pt.matrix("W", dtype=X.dtype)
-    mode = _DAMPED_REF_MODE if impl == "scan" else mode
+    mode = REF_MODE if impl == "scan" else mode
     return pytensor.function([A, Q, X0, w, tol, n, W], [X, *pytensor.grad((X * W).sum(), [A, Q, X0, w])],
                              mode=mode)
 

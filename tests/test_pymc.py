@@ -29,6 +29,7 @@ from pytensor.scan.op import Scan
 from pytensor.tensor.blockwise import Blockwise
 
 import iterops
+from conftest import SCAN_ORACLE
 from iterops import demo
 from iterops.linalg.lyapunov import DiscreteLyapunov
 from iterops.ts.kalman import KalmanFilterGrad
@@ -288,7 +289,7 @@ def test_inflation_model_loglik_matches_statsmodels():
         np.testing.assert_allclose(value, expected, rtol=1e-10)
 
 
-NO_ITEROPS = Mode(linker="py", optimizer="fast_compile").excluding("iterops")
+NO_ITEROPS = SCAN_ORACLE
 
 
 def test_scan_baseline_matches_statsmodels(level_data):

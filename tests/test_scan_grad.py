@@ -1,7 +1,9 @@
 """The mit-mot -> sit-sot rewrite of gradient Scans (iterops.scan_grad).
 
-Oracle: the same gradient graph compiled with ``mode.excluding("iterops")``
-(PyTensor's own mit-mot gradient), plus finite differences for the seed case.
+Oracle: the same gradient graph with iterops excluded (PyTensor's own mit-mot
+gradient), run on PyTensor's Python VM (``conftest.SCAN_ORACLE``: no second cold
+Numba compile of a Scan per test), plus finite differences for the seed case.
+The rewritten gradient Scan itself runs in every linker mode.
 """
 
 import warnings
@@ -12,11 +14,11 @@ import pytensor.tensor as pt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pytensor.compile.mode import get_mode
 from pytensor.scan.op import Scan
 from pytensor.scan.utils import until
 
 import iterops  # noqa: F401
+from conftest import SCAN_ORACLE
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -41,7 +43,7 @@ def _n_mit_mot(f):
 
 def _pair(inputs, outputs, mode):
     f = pytensor.function(inputs, outputs, mode=mode)
-    f0 = pytensor.function(inputs, outputs, mode=get_mode(mode).excluding("iterops"))
+    f0 = pytensor.function(inputs, outputs, mode=SCAN_ORACLE)
     return f, f0
 
 
@@ -199,7 +201,7 @@ def test_pymc_compile_dlogp():
     ref = pytensor.function(
         model.value_vars,
         pt.grad(model.logp(), model.value_vars),
-        mode=get_mode("NUMBA").excluding("iterops"),
+        mode=SCAN_ORACLE,
     )
     np.testing.assert_allclose(dlogp(point), np.concatenate([np.atleast_1d(v) for v in ref(**point)]), rtol=1e-10)
 
