@@ -407,10 +407,28 @@ def per_full_step(model, n_full, min_time=0.3):
     R, Q = model["R"], model["Q"]
     work = [np.empty(s) for s in ((m, m), (m, p), (p, p), (m, p), (m, m), (m, m), (m, m), m, m, p, p)]
     args = [np.ascontiguousarray(heads[1][k], dtype=float) for k in ("y", "c", "d", "a0", "P0", "T", "Z", "H")]
+    RQR = R @ (0.5 * (Q + Q.T)) @ R.T
+    quad = _dense_quad(heads[1], RQR)
     for how in (BLAS, LOOPS, MIXED, HELPER):
-        out[how] = _cpu_time(_limit_steps, [*args, R @ (0.5 * (Q + Q.T)) @ R.T, n_full, 0, how, *work],
-                             min_time) / n_full
+        limit_args = [*args, RQR, n_full, 0, how, *work]
+        # correctness guard: the limit does the filter's arithmetic (its sum of v' F^{-1} v, a dense NumPy filter's)
+        assert abs(_limit_steps(*limit_args) - quad) <= 1e-8 * abs(quad), (how, quad)
+        out[how] = _cpu_time(_limit_steps, limit_args, min_time) / n_full
     return out
+
+
+def _dense_quad(model, RQR):
+    """Sum over t of ``v_t' F_t^{-1} v_t`` from a textbook dense NumPy filter of ``model`` (every step full)."""
+    a, P, T, Z, H = model["a0"], model["P0"], model["T"], model["Z"], model["H"]
+    quad = 0.0
+    for yt in model["y"]:
+        F = Z @ P @ Z.T + H
+        v = yt - model["d"] - Z @ a
+        quad += v @ np.linalg.solve(F, v)
+        K = P @ Z.T @ np.linalg.inv(F)
+        a = T @ (a + K @ v) + model["c"]
+        P = T @ (P - K @ Z @ P) @ T.T + RQR
+    return quad
 
 
 def run_real_models(quick: bool = False) -> list[Section]:
@@ -477,12 +495,12 @@ def run_real_models(quick: bool = False) -> list[Section]:
             "vectorised loops, which change the summation order.  The dense operand-shape limit, which uses none "
             "of T's and Z's zeros, is faster still: 1.7-3.0 us per full step against the forward's 4.0-4.2 us "
             "(CPU time, load 3, `per_full_step` twice), so at m=13, p=1 the structured scalar loops and the "
-            "helper's copies (1.45x at these shapes) cost more than the zeros they skip save.  (3) The adjoint is most of f+g: it recomputes each "
-            "step's update and spends about 7 us per step (loaded) in scalar loops (perf: 75% of samples in the "
-            "compiled loops, 4.4% in BLAS including the dense `T` cotangent, 3% malloc/free), so `T`'s dense "
-            "cotangent is not the bound; 25x needs the update's reverse loops merged and the forward's stored "
-            "update reused.  Since 2026-12-02 a reverse step no longer rebuilds the steady-stretch cache (1.4-1.6x "
-            "faster adjoint here) and thin products no longer go to BLAS.\n\n"
+            "helper's copies (1.45x at these shapes) cost more than the zeros they skip save.  (3) The adjoint "
+            "is most of f+g: it recomputes each step's update and spends about 7 us per step (loaded) in scalar "
+            "loops (perf: 75% of samples in the compiled loops, 4.4% in BLAS including the dense `T` cotangent, "
+            "3% malloc/free), so `T`'s dense cotangent is not the bound; 25x needs the update's reverse loops "
+            "merged and the forward's stored update reused.  Since 2026-12-02 a reverse step no longer rebuilds "
+            "the steady-stretch cache (1.4-1.6x faster adjoint here) and thin products no longer go to BLAS.\n\n"
             "Jitter 1e-8 against 0 (measured 2026-12-02, n=300, at load 3: 11 interleaved rounds, CPU time): f+g "
             "jitter / 0 = 0.98 (0.83-1.12) structural, 1.15 (1.12-1.81) SARIMAX, 1.04 (0.84-1.70) VAR, 1.07 "
             "(1.02-1.14) dense; the forward alone does the same work with and without jitter (wall-time medians "
