@@ -75,6 +75,12 @@ SCAN_ORACLE = as_run_by_python(get_mode("FAST_COMPILE").excluding("iterops"))
 FAST_PY = as_run_by_python("FAST_COMPILE")
 
 
+def first_then_slow(cases):
+    """``cases`` for ``parametrize``: the first runs in the default suite, the others under ``-m slow``
+    (the same check on further models: the default run checks each behaviour on one representative)."""
+    return [c if i == 0 else pytest.param(c, marks=pytest.mark.slow) for i, c in enumerate(cases)]
+
+
 @pytest.fixture(params=LINKER_MODES)
 def mode(request):
     return request.param

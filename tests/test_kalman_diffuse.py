@@ -20,6 +20,7 @@ from pytensor.gradient import verify_grad
 from statsmodels.tsa.statespace.initialization import Initialization
 from statsmodels.tsa.statespace.kalman_filter import KalmanFilter as SMKalmanFilter
 
+from conftest import first_then_slow
 from iterops.ts.kalman import kalman_filter
 
 jax.config.update("jax_enable_x64", True)  # as tests/test_jax.py: float64 JAX for the 1e-10 comparison
@@ -197,7 +198,7 @@ def _weighted(res, weights):
     return total
 
 
-@pytest.mark.parametrize("model", ["local_linear_trend", "ar1_plus_level", "two_series"])
+@pytest.mark.parametrize("model", first_then_slow(["two_series", "local_linear_trend", "ar1_plus_level"]))
 def test_verify_grad_every_input_and_output(model):
     """Cotangents of all 8 outputs, gradients with respect to y (observed entries), a0, P0, P_inf (matrix),
     c, d, T, Z, R, H, Q."""
@@ -306,7 +307,7 @@ def test_batched_inputs_equal_one_by_one(rng):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model", ["two_series", "ar1_plus_level"])
+@pytest.mark.parametrize("model", first_then_slow(["ar1_plus_level", "two_series"]))
 def test_jax_equals_numba_values_and_gradients(model):
     rng = np.random.default_rng(11)
     y, sysm, mask, P0 = MODELS[model](rng, n=9)
@@ -373,7 +374,7 @@ def _jax_inputs(y, a0, P0, Pinf, sysm):
     return (y, a0, P0, Pinf, *(np.asarray(sysm[k], float)[None] for k in ("c", "d", "T", "Z", "R", "H", "Q")))
 
 
-@pytest.mark.parametrize("model", ["local_level", "two_series", "ar1_plus_level", "seasonal"])
+@pytest.mark.parametrize("model", first_then_slow(["two_series", "local_level", "ar1_plus_level", "seasonal"]))
 def test_jax_custom_vjp_equals_numba_adjoint_jit(model):
     """The hand-written reverse of the diffuse steps (``jax.custom_vjp``), under ``jax.jit``: values and the
     gradients of every input (P_inf a matrix) from random cotangents of all 8 outputs, equal to the Numba
