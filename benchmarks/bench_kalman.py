@@ -355,14 +355,20 @@ def _limit_steps(y, c, d, a0, P0, T, Z, H, RQR, n_full, n_steady, how, P, PZ, F,
     return total
 
 
-def _limit_time(model, n_full, n_steady, how, min_time=0.2, repeat=5):
-    """Seconds of :func:`_limit_steps` on ``model``'s matrices (dense, at their shapes), best of ``repeat``."""
+def _limit_args(model, n_full, n_steady, how):
+    """Arguments of :func:`_limit_steps` for ``model`` (dense, at its shapes), its work arrays allocated;
+    also returns ``R Q R^T``."""
     m, p = model["T"].shape[0], model["Z"].shape[0]
     R, Q = model["R"], model["Q"]
+    RQR = R @ (0.5 * (Q + Q.T)) @ R.T
     work = [np.empty(s) for s in ((m, m), (m, p), (p, p), (m, p), (m, m), (m, m), (m, m), m, m, p, p)]
     args = [np.ascontiguousarray(model[k], dtype=float) for k in ("y", "c", "d", "a0", "P0", "T", "Z", "H")]
-    return best_time(_limit_steps, *args, R @ (0.5 * (Q + Q.T)) @ R.T, n_full, n_steady, how, *work,
-                     min_time=min_time, repeat=repeat)
+    return [*args, RQR, n_full, n_steady, how, *work], RQR
+
+
+def _limit_time(model, n_full, n_steady, how, min_time=0.2, repeat=5):
+    """Seconds of :func:`_limit_steps` on ``model``'s matrices (dense, at their shapes), best of ``repeat``."""
+    return best_time(_limit_steps, *_limit_args(model, n_full, n_steady, how)[0], min_time=min_time, repeat=repeat)
 
 
 def _frozen_steps(Pp):
@@ -404,14 +410,9 @@ def per_full_step(model, n_full, min_time=0.3):
     heads = [dict(model, y=model["y"][:k]) for k in (1, n_full)]
     t_head = [_cpu_time(_fused_fns(h, 1e-8)[0], [h[k] for k in NAMES], min_time) for h in heads]
     out = {"iterops": (t_head[1] - t_head[0]) / (n_full - 1)}
-    m, p = model["T"].shape[0], model["Z"].shape[0]
-    R, Q = model["R"], model["Q"]
-    work = [np.empty(s) for s in ((m, m), (m, p), (p, p), (m, p), (m, m), (m, m), (m, m), m, m, p, p)]
-    args = [np.ascontiguousarray(heads[1][k], dtype=float) for k in ("y", "c", "d", "a0", "P0", "T", "Z", "H")]
-    RQR = R @ (0.5 * (Q + Q.T)) @ R.T
-    quad = _dense_quad(heads[1], RQR)
     for how in (BLAS, LOOPS, MIXED, HELPER):
-        limit_args = [*args, RQR, n_full, 0, how, *work]
+        limit_args, RQR = _limit_args(heads[1], n_full, 0, how)
+        quad = _dense_quad(heads[1], RQR)
         # correctness guard: the limit does the filter's arithmetic (its sum of v' F^{-1} v, a dense NumPy filter's)
         assert abs(_limit_steps(*limit_args) - quad) <= 1e-8 * abs(quad), (how, quad)
         out[how] = _cpu_time(_limit_steps, limit_args, min_time) / n_full
