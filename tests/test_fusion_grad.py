@@ -6,8 +6,9 @@ gradients equal the same graph with iterops excluded (PyTensor's own gradient
 Scan: the oracle).  The oracle runs on PyTensor's Python VM (``SCAN_ORACLE``):
 a cold Numba compile of a Scan and its gradient Scan costs a minute or more
 each, and the Python VM runs the same graph Op by Op.  The literal comparison,
-with ``mode.excluding("iterops")`` compiled by Numba, runs for one case per
-pattern family in the default run and for every case under ``-m slow``
+with ``mode.excluding("iterops")`` compiled by Numba, runs for the Lyapunov,
+block-diagonal and Levinson loops in the default run and for every case
+(the Kalman ones included) under ``-m slow``
 (``test_plain_grad_equals_the_numba_compiled_scan``).  Also: every linker, gradients
 w.r.t. a subset of the inputs, several costs through one loop, a loop nested
 in an outer Scan, ``iterops.explain`` on the gradient Scan; and the cases that
