@@ -61,6 +61,7 @@ from pytensor.tensor.utils import _parse_gufunc_signature
 __all__ = [
     "FusedOp", "apply_batched", "register_fused_op", "entry_point", "data_ptr", "keep_alive", "F64P", "OpaqueKernel",
     "opaque_kernel", "LazyKernel", "PACKAGE_DIGEST", "KERNEL_SOURCES", "PackageCacheLocator", "OPAQUE_KERNELS",
+    "BACKGROUND_COMPILES",
 ]
 
 #: ``double*`` in a ``numba.cfunc`` signature (see :func:`data_ptr`).
@@ -263,8 +264,24 @@ def _say_first_compile(kernel: OpaqueKernel) -> None:
     )
 
 
+#: Background warm-up processes (:func:`iterops.warmup.start_background`) that are compiling kernels into
+#: the on-disk cache.  A kernel needed in this process while one runs waits for it, then loads what it
+#: compiled, instead of compiling the same kernel a second time beside it.
+BACKGROUND_COMPILES: list = []
+
+
+def _wait_for_background_compiles() -> None:
+    while BACKGROUND_COMPILES:
+        proc = BACKGROUND_COMPILES[0]
+        if proc.poll() is None:
+            _log.info("iterops: waiting for the background kernel compile (pid %s)", proc.pid)
+            proc.wait()
+        BACKGROUND_COMPILES.remove(proc)
+
+
 @cache
 def _register_opaque(kernel: OpaqueKernel):
+    _wait_for_background_compiles()
     cfunc = kernel._cfunc()
     if not kernel.is_cached():
         _say_first_compile(kernel)
@@ -312,6 +329,7 @@ class LazyKernel(OpaqueKernel):
     def compile(self) -> None:
         with self._lock:
             if self._compiled is None:
+                _wait_for_background_compiles()
                 cfunc = self._cfunc()
                 if not self.is_cached():
                     _say_first_compile(self)

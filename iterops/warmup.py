@@ -3,6 +3,8 @@
     python -m iterops.warmup                 # float64 kernels (what PyMC models use)
     python -m iterops.warmup --all-dtypes    # also the float32 / complex variants
     python -m iterops.warmup --jobs 2        # split over two processes (each kernel compiled once)
+    python -m iterops.warmup --kernels iterops.ts.kalman._filter_abi iterops.ts.kalman._adjoint_abi
+                                             # only these C-ABI kernels (no graphs)
 
 iterops' kernels are compiled by Numba once per machine (and again after an upgrade of iterops
 or Numba) and cached on disk (see :func:`iterops._fused.kernel_cache_dir`; ``NUMBA_CACHE_DIR``
@@ -16,6 +18,11 @@ their first call, :class:`iterops._fused.LazyKernel`, such as the Lyapunov Schur
 function with its gradient, run once in PyTensor's default (Numba) mode, which compiles and caches
 the directly-called kernels (Levinson, block-diagonal, Toeplitz, AR maps) and their helpers.
 Running it again is cheap: everything loads from the cache.
+
+From Python, :func:`start_background` compiles the kernels a program is going to need in another
+process while this one does other work (the demo compiles iterops' kernels on the second core while
+the Scan baselines compile on the first); a kernel this process needs meanwhile waits for that process
+and loads what it compiled (:data:`iterops._fused.BACKGROUND_COMPILES`), so nothing is compiled twice.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import argparse
 import sys
 import time
 
-__all__ = ["warm_kernels", "warm_graphs", "main"]
+__all__ = ["warm_kernels", "warm_graphs", "start_background", "main"]
 
 
 def _share(items, part):
@@ -33,14 +40,31 @@ def _share(items, part):
     return list(items)[i::n]
 
 
-def warm_kernels(all_dtypes: bool = False, log=print, part=(0, 1)) -> list[tuple[str, float, bool]]:
-    """Compile (or load) every :class:`iterops._fused.OpaqueKernel` (of ``part``, see :func:`main`);
-    ``[(name, seconds, was_cached)]``."""
+def _function_name(kernel) -> str:
+    """``module.function`` of a kernel (its name without the dtype tag), as ``--kernels`` takes it."""
+    return f"{kernel.pyfunc.__module__}.{kernel.pyfunc.__name__}"
+
+
+def _selected(all_dtypes: bool, names=None) -> list:
+    """The :class:`iterops._fused.OpaqueKernel` s to warm: every float64 one (every one with ``all_dtypes``),
+    only those whose function is in ``names`` when given (an unknown name is an error)."""
     import iterops  # noqa: F401  (defines every kernel)
     from iterops._fused import OPAQUE_KERNELS
 
+    if names is not None:
+        known = {_function_name(k) for k in OPAQUE_KERNELS}
+        unknown = sorted(set(names) - known)
+        if unknown:
+            raise ValueError(f"unknown kernels {unknown}; known: {sorted(known)}")
+    return [k for k in OPAQUE_KERNELS if (all_dtypes or k.float64_only)
+            and (names is None or _function_name(k) in names)]
+
+
+def warm_kernels(all_dtypes: bool = False, log=print, part=(0, 1), names=None) -> list[tuple[str, float, bool]]:
+    """Compile (or load) every :class:`iterops._fused.OpaqueKernel` (of ``part``, see :func:`main`; only
+    those named in ``names``, ``module.function``, when given); ``[(name, seconds, was_cached)]``."""
     done = []
-    for kernel in _share((k for k in OPAQUE_KERNELS if all_dtypes or k.float64_only), part):
+    for kernel in _share(_selected(all_dtypes, names), part):
         cached = kernel.is_cached()
         t0 = time.perf_counter()
         kernel.compile()  # or loads it from the cache, and registers it (also a LazyKernel's: it compiles on first use)
@@ -124,6 +148,25 @@ def warm_graphs(dtype: str = "float64", log=print, part=(0, 1)) -> list[tuple[st
     return done
 
 
+def start_background(names):
+    """Compile the float64 kernels whose functions are named in ``names`` (``module.function``, e.g.
+    ``"iterops.ts.kalman._adjoint_abi"``) into the on-disk cache in a separate process, and return it
+    (``None`` when every one is cached already).  Until it ends, a kernel this process needs waits for it
+    and then loads from the cache (:data:`iterops._fused.BACKGROUND_COMPILES`).  Its output goes to this
+    process's stderr only if it fails."""
+    import subprocess
+
+    from iterops._fused import BACKGROUND_COMPILES
+
+    todo = sorted({_function_name(k) for k in _selected(False, set(names)) if not k.is_cached()})
+    if not todo:
+        return None
+    proc = subprocess.Popen([sys.executable, "-m", "iterops.warmup", "--quiet", "--kernels", *todo],
+                            stdout=subprocess.DEVNULL)
+    BACKGROUND_COMPILES.append(proc)
+    return proc
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m iterops.warmup", description=__doc__.split("\n\n")[0])
     parser.add_argument("--all-dtypes", action="store_true",
@@ -131,13 +174,21 @@ def main(argv=None) -> int:
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--jobs", type=int, default=1,
                         help="processes to split the work over (each compiles its share once; default 1)")
+    parser.add_argument("--kernels", nargs="+", metavar="MODULE.FUNCTION",
+                        help="only these C-ABI kernels, e.g. iterops.ts.kalman._filter_abi (no graphs)")
     parser.add_argument("--part", default="0/1", help=argparse.SUPPRESS)  # i/n: the share of one of --jobs n
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.kernels:
+        try:
+            _selected(args.all_dtypes, set(args.kernels))
+        except ValueError as err:
+            parser.error(str(err))
     if args.jobs > 1:
         return _run_parts(args.jobs, [*(["--all-dtypes"] if args.all_dtypes else []),
-                                      *(["--quiet"] if args.quiet else [])])
+                                      *(["--quiet"] if args.quiet else []),
+                                      *(["--kernels", *args.kernels] if args.kernels else [])])
     i, n = (int(v) for v in args.part.split("/"))
     part = (i, n)
     log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, flush=True))
@@ -151,10 +202,11 @@ def main(argv=None) -> int:
     t0, c0 = time.perf_counter(), time.process_time()
     log(f"iterops warm-up: Numba cache in {numba.core.config.CACHE_DIR or kernel_cache_dir()}")
     log("C-ABI kernels:")
-    warm_kernels(args.all_dtypes, log, part)
-    log("graphs (each public function with its gradient):")
-    for dtype in ("float64", "float32") if args.all_dtypes else ("float64",):
-        warm_graphs(dtype, log, part)
+    warm_kernels(args.all_dtypes, log, part, set(args.kernels) if args.kernels else None)
+    if not args.kernels:
+        log("graphs (each public function with its gradient):")
+        for dtype in ("float64", "float32") if args.all_dtypes else ("float64",):
+            warm_graphs(dtype, log, part)
     log(f"done in {time.perf_counter() - t0:.0f} s ({time.process_time() - c0:.0f} CPU s)")
     return 0
 
