@@ -36,6 +36,7 @@ object, by :func:`entry_point` and by :class:`FusedOp`'s ``__eq__``/``__hash__``
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import logging
@@ -200,6 +201,12 @@ class OpaqueKernel:
     which PyTensor does for every node before it loads a cached graph, so cached graphs resolve it.
     """
 
+    #: ``module.function`` names of the kernels a graph using this one nearly always needs too (the Kalman
+    #: filter's adjoint): when this kernel is not cached, they are compiled in a background process while
+    #: this one compiles here (:func:`_compile_companions`), so a first use on a machine with two cores
+    #: waits for the longer of the two compiles, not for their sum.
+    companions: tuple[str, ...] = ()
+
     def __init__(self, signature, pyfunc, tag: str = ""):
         self.signature = signature
         self.pyfunc = pyfunc
@@ -279,12 +286,30 @@ def _wait_for_background_compiles() -> None:
         BACKGROUND_COMPILES.remove(proc)
 
 
+def _compile_companions(kernel: OpaqueKernel) -> None:
+    """Start compiling ``kernel.companions`` in a background process (those not cached), unless this
+    machine has one core or ``ITEROPS_BACKGROUND_COMPILE=0`` (``python -m iterops.warmup`` sets it: it
+    schedules every kernel itself).  The process is ended when this one exits."""
+    if not kernel.companions or (os.cpu_count() or 1) < 2 or os.environ.get("ITEROPS_BACKGROUND_COMPILE") == "0":
+        return
+    from iterops.warmup import start_background
+
+    try:
+        proc = start_background(kernel.companions)
+    except Exception:  # never let a background convenience stop a compile
+        _log.exception("iterops: could not start a background compile")
+        return
+    if proc is not None:
+        atexit.register(lambda: proc.poll() is None and proc.terminate())
+
+
 @cache
 def _register_opaque(kernel: OpaqueKernel):
     _wait_for_background_compiles()
     cfunc = kernel._cfunc()
     if not kernel.is_cached():
         _say_first_compile(kernel)
+        _compile_companions(kernel)
     cfunc.compile()
     llvmlite.binding.add_symbol(kernel.symbol, cfunc.address)
     return numba.types.ExternalFunction(kernel.symbol, kernel.signature)

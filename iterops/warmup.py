@@ -194,8 +194,10 @@ def main(argv=None) -> int:
     log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, flush=True))
 
     import logging
+    import os
 
     logging.getLogger("iterops").setLevel(logging.ERROR)  # this command says it itself
+    os.environ["ITEROPS_BACKGROUND_COMPILE"] = "0"  # it schedules every kernel itself (no companions on the side)
     from iterops._fused import kernel_cache_dir
     import numba
 

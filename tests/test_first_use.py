@@ -175,3 +175,41 @@ def test_warmup_parts_cover_every_kernel_and_graph_once(jobs):
     assert all(p == [x for x in names if x in p] for p in parts)
     if jobs <= len(names):
         assert all(parts)
+
+
+_BACKGROUND = '''
+import iterops
+from iterops._fused import BACKGROUND_COMPILES
+from iterops.linalg.lyapunov import _ABI
+from iterops.warmup import start_background
+
+kernel = _ABI["float64"]
+print("cached before:", kernel.is_cached())
+proc = start_background(["iterops.linalg.lyapunov._lyapunov_abi"])
+print("started:", proc is not None, "tracked:", BACKGROUND_COMPILES == [proc])
+kernel.external  # needed here while the background process compiles it: waits, then loads it
+print("exit:", proc.returncode, "tracked after:", BACKGROUND_COMPILES)
+print("cached after:", kernel.is_cached(), "started again:", start_background(["iterops.linalg.lyapunov._lyapunov_abi"]))
+'''
+
+
+def test_background_compile_is_waited_for_and_not_repeated(tmp_path):
+    """``iterops.warmup.start_background`` (the demo's first run): a kernel needed while the background process
+    compiles it waits for that process and loads its result from the cache (nothing compiled twice, so nothing
+    is announced here); once cached, nothing is started."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", _BACKGROUND], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "cached before: False" in out.stdout
+    assert "started: True tracked: True" in out.stdout
+    assert "exit: 0 tracked after: []" in out.stdout
+    assert "cached after: True started again: None" in out.stdout
+    assert not [line for line in out.stderr.splitlines() if line.startswith("iterops:")], out.stderr
+
+
+def test_warmup_rejects_an_unknown_kernel_name():
+    out = subprocess.run([sys.executable, "-m", "iterops.warmup", "--kernels", "iterops.ts.kalman._no_such_abi"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2
+    assert "unknown kernels ['iterops.ts.kalman._no_such_abi']" in out.stderr
+    assert "iterops.ts.kalman._filter_abi" in out.stderr  # lists the names it knows

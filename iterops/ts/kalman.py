@@ -322,6 +322,10 @@ def _adjoint_abi(y, a0, P0, c, d, T, Z, R, H, Q, ap, Pp, gllo, gaf, gPf, gap, gP
     )
 
 
+# a graph with the filter nearly always has its gradient too: on a first use both compile at once
+_filter_abi.companions = ("iterops.ts.kalman._adjoint_abi",)
+
+
 @entry_point
 def _filter_entry(tv: tuple, jitter: float, mv: float, use_mv: bool, univariate="auto", forecast_cov: bool = True):
     flag = int(use_mv)
@@ -599,6 +603,10 @@ def _diffuse_adjoint_abi(y, c, d, T, Z, R, H, Q, llo, af, Pf, ap, Pp, v, F, Pi, 
         numba.carray(a_bar, (m,)), numba.carray(P_bar, (m, m)), grad,
     )
     return 0.0
+
+
+# the diffuse filter runs the ordinary filter on its tail; its gradient, both adjoints
+_diffuse_filter_abi.companions = ("iterops.ts.kalman._diffuse_adjoint_abi", "iterops.ts.kalman._adjoint_abi")
 
 
 def _diffuse_runner(fabi, mv, flag):
