@@ -206,6 +206,9 @@ class OpaqueKernel:
     #: this one compiles here (:func:`_compile_companions`), so a first use on a machine with two cores
     #: waits for the longer of the two compiles, not for their sum.
     companions: tuple[str, ...] = ()
+    #: After the kernel was compiled or loaded in this process: whether its machine code came from the
+    #: on-disk cache (``None`` before).
+    from_cache: bool | None = None
 
     def __init__(self, signature, pyfunc, tag: str = ""):
         self.signature = signature
@@ -311,6 +314,7 @@ def _register_opaque(kernel: OpaqueKernel):
         _say_first_compile(kernel)
         _compile_companions(kernel)
     cfunc.compile()
+    kernel.from_cache = cfunc._cache_hits > 0
     llvmlite.binding.add_symbol(kernel.symbol, cfunc.address)
     return numba.types.ExternalFunction(kernel.symbol, kernel.signature)
 
@@ -359,6 +363,7 @@ class LazyKernel(OpaqueKernel):
                 if not self.is_cached():
                     _say_first_compile(self)
                 cfunc.compile()
+                self.from_cache = cfunc._cache_hits > 0
                 self._compiled = (cfunc, self._c_type(cfunc.address))
                 self._cell.value = cfunc.address
 

@@ -188,7 +188,7 @@ print("cached before:", kernel.is_cached())
 proc = start_background(["iterops.linalg.lyapunov._lyapunov_abi"])
 print("started:", proc is not None, "tracked:", BACKGROUND_COMPILES == [proc])
 kernel.external  # needed here while the background process compiles it: waits, then loads it
-print("exit:", proc.returncode, "tracked after:", BACKGROUND_COMPILES)
+print("exit:", proc.returncode, "tracked after:", BACKGROUND_COMPILES, "loaded:", kernel.from_cache)
 print("cached after:", kernel.is_cached(), "started again:", start_background(["iterops.linalg.lyapunov._lyapunov_abi"]))
 '''
 
@@ -202,7 +202,7 @@ def test_background_compile_is_waited_for_and_not_repeated(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "cached before: False" in out.stdout
     assert "started: True tracked: True" in out.stdout
-    assert "exit: 0 tracked after: []" in out.stdout
+    assert "exit: 0 tracked after: [] loaded: True" in out.stdout  # compiled there, not again here
     assert "cached after: True started again: None" in out.stdout
     assert not [line for line in out.stderr.splitlines() if line.startswith("iterops:")], out.stderr
 
@@ -213,3 +213,37 @@ def test_warmup_rejects_an_unknown_kernel_name():
     assert out.returncode == 2
     assert "unknown kernels ['iterops.ts.kalman._no_such_abi']" in out.stderr
     assert "iterops.ts.kalman._filter_abi" in out.stderr  # lists the names it knows
+
+
+_COMPANIONS = '''
+import iterops
+from iterops._fused import BACKGROUND_COMPILES
+from iterops.linalg.lyapunov import _ABI, _SCHUR_ABI
+
+solver, fallback = _ABI["float64"], _SCHUR_ABI["float64"]
+solver.companions = ("iterops.linalg.lyapunov._schur_abi",)  # as the Kalman filter's adjoint is its filter's
+print("cached before:", solver.is_cached(), fallback.is_cached())
+solver.external  # not cached: compiles here, its companion in a background process
+procs = list(BACKGROUND_COMPILES)
+print("background:", len(procs))
+fallback.compile()  # waits for that process, then loads the kernel it compiled
+print("exits:", [p.returncode for p in procs], "cached after:", solver.is_cached(), fallback.is_cached())
+print("loaded here from the cache:", solver.from_cache, fallback.from_cache)
+'''
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_companion_kernels_compile_in_the_background_once(tmp_path, background):
+    """A kernel's ``companions`` (the Kalman filter's adjoint) compile in a background process while the kernel
+    compiles here; using one waits for that process and loads its result: one announcement, nothing compiled
+    twice.  ``ITEROPS_BACKGROUND_COMPILE=0`` keeps everything in the process."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"),
+           "ITEROPS_BACKGROUND_COMPILE": "1" if background else "0"}
+    out = subprocess.run([sys.executable, "-c", _COMPANIONS], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "cached before: False False" in out.stdout
+    assert f"background: {1 if background else 0}" in out.stdout
+    assert f"exits: {[0] if background else []} cached after: True True" in out.stdout
+    assert f"loaded here from the cache: False {background}" in out.stdout  # compiled once, not again here
+    said = [line for line in out.stderr.splitlines() if line.startswith("iterops:")]
+    assert len(said) == 1 and "_lyapunov_abi" in said[0], out.stderr
