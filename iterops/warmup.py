@@ -10,7 +10,7 @@ iterops' kernels are compiled by Numba once per machine (and again after an upgr
 or Numba) and cached on disk (see :func:`iterops._fused.kernel_cache_dir`; ``NUMBA_CACHE_DIR``
 overrides it).  Without this command that one-off cost falls on the first model a user compiles;
 with it, deployments (CI images, cluster nodes, ``scripts/dev setup``) pay it once, up front, and
-every later process finds the kernels cached: a new graph then compiles in about a second.
+every later process finds the kernels cached: a new graph then compiles in a second or two.
 
 Two steps: every C-ABI kernel (:data:`iterops._fused.OPAQUE_KERNELS`: the Kalman filter, its
 adjoint and smoother, the Lyapunov solvers and iterations, and the kernels otherwise compiled on
