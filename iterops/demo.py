@@ -482,7 +482,7 @@ def main(argv=None) -> int:
     from iterops.warmup import start_background
 
     t_warm, warm_done = time.perf_counter(), []
-    warm = start_background(KERNELS)
+    warm = None if args.no_scan else start_background(KERNELS)  # without Scan runs there is nothing to overlap
     if warm is not None:
         threading.Thread(target=lambda proc=warm: (proc.wait(), warm_done.append(time.perf_counter())),
                          daemon=True).start()
