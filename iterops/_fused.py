@@ -278,15 +278,16 @@ def _say_first_compile(kernel: OpaqueKernel) -> None:
 #: the on-disk cache.  A kernel needed in this process while one runs waits for it, then loads what it
 #: compiled, instead of compiling the same kernel a second time beside it.
 BACKGROUND_COMPILES: list = []
+_BACKGROUND_LOCK = threading.Lock()  # first calls of lazy kernels come from several sampler threads
 
 
 def _wait_for_background_compiles() -> None:
-    while BACKGROUND_COMPILES:
-        proc = BACKGROUND_COMPILES[0]
-        if proc.poll() is None:
-            _log.info("iterops: waiting for the background kernel compile (pid %s)", proc.pid)
-            proc.wait()
-        BACKGROUND_COMPILES.remove(proc)
+    with _BACKGROUND_LOCK:
+        while BACKGROUND_COMPILES:
+            proc = BACKGROUND_COMPILES.pop(0)
+            if proc.poll() is None:
+                _log.info("iterops: waiting for the background kernel compile (pid %s)", proc.pid)
+                proc.wait()
 
 
 def _compile_companions(kernel: OpaqueKernel) -> None:
