@@ -154,7 +154,6 @@ def start_background(names):
     (``None`` when every one is cached already).  Until it ends, a kernel this process needs waits for it
     and then loads from the cache (:data:`iterops._fused.BACKGROUND_COMPILES`).  Its output goes to this
     process's stderr only if it fails."""
-    import os
     import subprocess
     from pathlib import Path
 
@@ -164,10 +163,11 @@ def start_background(names):
     todo = sorted({_function_name(k) for k in _selected(False, set(names)) if not k.is_cached()})
     if not todo:
         return None
-    # this iterops, also when it was put on sys.path by hand rather than installed
-    path = os.pathsep.join(filter(None, [str(Path(iterops.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.Popen([sys.executable, "-m", "iterops.warmup", "--quiet", "--kernels", *todo],
-                            stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": path})
+    # ``python -m iterops.warmup``, falling back to this iterops when it was put on sys.path by hand (the
+    # folder goes last on the child's path, so it shadows nothing)
+    code = (f"import sys; sys.path.append({str(Path(iterops.__file__).resolve().parents[1])!r}); "
+            f"from iterops.warmup import main; sys.exit(main({['--quiet', '--kernels', *todo]!r}))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL)
     BACKGROUND_COMPILES.append(proc)
     return proc
 
