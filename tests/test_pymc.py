@@ -325,3 +325,20 @@ def test_local_level_recovery_and_fused_dlogp(level_data):
     for name, value in zip(("sigma_obs", "sigma_level"), truth):
         draws = post[name].values.ravel()
         assert abs(draws.mean() - value) < 3 * draws.std(), (name, draws.mean(), draws.std(), value)
+
+
+def test_demo_state_function_matches_statsmodels_filter_and_smoother(level_data):
+    """The demo's state bands come from one compiled filter + smoother (Python linker: iterops' Ops run
+    their Numba kernels under it too); its filtered and smoothed states and variances are statsmodels'."""
+    y, _ = level_data
+    fn = demo._state_function(demo.MODELS["nile"], y)
+    assert fn.maker.mode.linker.__class__.__name__ != "NumbaLinker"
+    s_obs, s_lvl = 0.7, 1.3
+    a_f, P_f, a_s, P_s, d = fn(s_obs, s_lvl)
+    ucm = sm.tsa.UnobservedComponents(y, "llevel")
+    ucm.ssm.initialize_known(np.array([y[0]]), np.array([[1e6]]))
+    res = ucm.smooth([s_obs**2, s_lvl**2])
+    np.testing.assert_allclose(a_f[:, 0] + d[0], res.filtered_state[0], rtol=1e-9)
+    np.testing.assert_allclose(P_f[:, 0, 0], res.filtered_state_cov[0, 0], rtol=1e-9)
+    np.testing.assert_allclose(a_s[:, 0] + d[0], res.smoothed_state[0], rtol=1e-9)
+    np.testing.assert_allclose(P_s[:, 0, 0], res.smoothed_state_cov[0, 0], rtol=1e-9)
