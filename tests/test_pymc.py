@@ -342,3 +342,25 @@ def test_demo_state_function_matches_statsmodels_filter_and_smoother(level_data)
     np.testing.assert_allclose(P_f[:, 0, 0], res.filtered_state_cov[0, 0], rtol=1e-9)
     np.testing.assert_allclose(a_s[:, 0] + d[0], res.smoothed_state[0], rtol=1e-9)
     np.testing.assert_allclose(P_s[:, 0, 0], res.smoothed_state_cov[0, 0], rtol=1e-9)
+
+
+def test_demo_command_line_writes_everything_before_it_exits(tmp_path):
+    """``python -m iterops.demo`` ends with :func:`iterops.demo.exit_now` (no interpreter teardown): its
+    last lines still reach a pipe, its exit handlers still run and its figures and table are on disk."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    marker = tmp_path / "atexit-ran"
+    # an exit handler registered before the demo runs, as a library imported by the demo would register one
+    code = (f"import atexit, pathlib, runpy, sys; atexit.register(pathlib.Path({str(marker)!r}).touch); "
+            "sys.argv = ['iterops.demo', '--models', 'nile', '--no-scan', '--draws', '40', '--tune', '40', "
+            f"'--chains', '1', '--cores', '1', '--no-progressbar', '--output', {str(out)!r}]; "
+            "runpy.run_module('iterops.demo', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("figures: "), proc.stdout[-2000:]
+    assert marker.exists()
+    summary = (out / "summary.txt").read_text()
+    assert "nile" in summary and "iterops" in summary
+    assert {"nile_posterior.png", "nile_states.png", "timing.png"} <= {p.name for p in out.iterdir()}
