@@ -13,7 +13,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 from pytensor.gradient import NullTypeGradError, verify_grad
 from statsmodels.tsa.arima_process import arma_acovf
@@ -185,13 +185,41 @@ def test_matches_loop_values_and_gradients(case):
     check_against_loop(gamma, case[1], rng)
 
 
+#: how many times the float32 loop's own error (against the loop run in float64) the fused float32 result may have
+_FLOAT32_ERROR_FACTOR = 4.0
+
+
 @given(cases)
+@example(case=("non_pd", 4, 1, 4726972))
 def test_matches_loop_float32(case):
+    """float32: the fused results are as close to the exact values (the loop run in float64 on the same float32
+    inputs) as the float32 loop's own, up to ``_FLOAT32_ERROR_FACTOR``, or within rtol 2e-4 (norm-wise).
+
+    An unseeded run found the example: a non-positive-definite sequence with kappa_3 = 254 passes
+    :func:`_well_conditioned`, yet float32 rounding moves the gradient w.r.t. phi by 7e-3 relative in the loop
+    (4.0e-3 from the float64 value) and in the fused Op (3.4e-3): comparing the two float32 results with each
+    other failed although both are as accurate as float32 allows there."""
     gamma, rng = _make(*case)
     gamma = gamma.astype(np.float32)
-    kappa64 = oracle_fn(case[1])(gamma.astype(np.float64), *_weights(rng, case[1], "float64"))[2]
+    p = case[1]
+    kappa64 = oracle_fn(p)(gamma.astype(np.float64), *_weights(rng, p, "float64"))[2]
     assume(_well_conditioned(gamma, kappa64))
-    check_against_loop(gamma, case[1], rng)
+    weights = _weights(rng, p, "float32")
+    exact = oracle_fn(p, "float64")(gamma.astype(np.float64), *(w.astype(np.float64) for w in weights))
+    loop = oracle_fn(p, "float32")(gamma, *weights)
+    fused = fused_fn(p, "float32")(gamma, *weights)
+    for name, f, lo, ex in zip(["phi", "sigma2", "kappa", "grad all", "grad phi", "grad sigma2", "grad kappa"],
+                               fused, loop, exact):
+        f, lo, ex = np.asarray(f), np.asarray(lo), np.asarray(ex)
+        assert f.dtype == np.float32, name
+        fin = np.isfinite(ex)
+        np.testing.assert_array_equal(np.isfinite(f), np.isfinite(lo), err_msg=name)
+        scale = max(1.0, float(np.max(np.abs(ex[fin]), initial=0.0)))
+        loop_err = float(np.max(np.abs(lo[fin] - ex[fin]), initial=0.0))
+        err = float(np.max(np.abs(f[fin] - ex[fin]), initial=0.0))
+        assert err <= RTOL["float32"] * scale + _FLOAT32_ERROR_FACTOR * loop_err, (
+            f"{name}: fused float32 off the float64 values by {err:.3g}, the float32 loop by {loop_err:.3g} "
+            f"(scale {scale:.3g}) for gamma={gamma!r}, p={p}")
 
 
 @pytest.mark.parametrize("variant", ["dot", "slice", "sub"])
