@@ -544,9 +544,10 @@ def main(argv=None) -> int:
 
 
 def exit_now(code: int):
-    """End the process after :func:`main`: run the exit handlers (PyTensor's, iterops'), flush the
-    output, then skip the interpreter's teardown, which frees the compiled models' objects one by one
-    (2-4 s after a first run; the OS frees the memory at once)."""
+    """End the process after :func:`main`: run the registered exit handlers (``atexit``'s, as a normal
+    exit does; iterops' stops its background compiles), flush the output, then skip the interpreter's
+    teardown, which frees the compiled models' objects one by one (1-4 s after a run; the OS frees the
+    memory at once)."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
