@@ -347,6 +347,7 @@ def test_demo_state_function_matches_statsmodels_filter_and_smoother(level_data)
 def test_demo_command_line_writes_everything_before_it_exits(tmp_path):
     """``python -m iterops.demo`` ends with :func:`iterops.demo.exit_now` (no interpreter teardown): its
     last lines still reach a pipe, its exit handlers still run and its figures and table are on disk."""
+    import os
     import subprocess
     import sys
 
@@ -357,7 +358,8 @@ def test_demo_command_line_writes_everything_before_it_exits(tmp_path):
             "sys.argv = ['iterops.demo', '--models', 'nile', '--no-scan', '--draws', '40', '--tune', '40', "
             f"'--chains', '1', '--cores', '1', '--no-progressbar', '--output', {str(out)!r}]; "
             "runpy.run_module('iterops.demo', run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout to a pipe: block-buffered
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.rstrip().splitlines()[-1].startswith("figures: "), proc.stdout[-2000:]
     assert marker.exists()
