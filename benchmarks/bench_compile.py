@@ -48,7 +48,7 @@ layout-generic loops index with run-time strides and no longer specialise on con
 the next thing to try.  Replacing the adjoint's one array ``+=`` by a loop changed nothing
 measurable.
 
-Issue 16, second pass (2026-12-01 evening; machine shared by five sessions, 1-minute load 5-9 on 2
+Second pass (2026-12-01 evening; machine shared by five sessions, 1-minute load 5-9 on 2
 cores: CPU seconds were about twice a quiet machine's, imports 1.8-2.2 CPU s against 1.0, so every
 figure here is a side-by-side pair, the previous code in /tmp against this one in alternating fresh
 processes, cold caches; per code library as above).
@@ -88,7 +88,7 @@ processes, cold caches; per code library as above).
   122.9 CPU s at load ~7 and the benchmark's filter + gradient 129.7: the 15 s target needs the
   kernels themselves smaller (Numba's typing and lowering, ~55 code libraries), not the machinery.
 
-Issue 16, third pass (2026-12-03, quiet machine: 1-minute load 0.6 on 2 cores; the earlier figures were
+Third pass (2026-12-03, quiet machine: 1-minute load 0.6 on 2 cores; the earlier figures were
 taken at load 5-9 and were about three times these).  The same code measured quiet, before any change
 (``--quick``): Kalman filter + gradient 39.8 compile CPU s (= wall), smoother 18.5, Lyapunov 6.3,
 block_diag/Toeplitz/Levinson/AR 25.9, demo models 47.0 (Nile) and 65.6 (inflation).  Per C-ABI function,
@@ -110,7 +110,7 @@ code); the Lyapunov target (6.3 against 5 CPU s) is missed by
 PyTensor's part of the graph: the kernel is 2.1 s, the rest is the gradient's four products and
 transposes, our entry point in two layouts (``A`` and its transposed view) and the graph function,
 all compiled by PyTensor with its cache empty.  A new graph of the same Ops with the caches warm (a
-user's next model: the "new graph" column) takes 1.3-2.3 CPU s, not the 1 s the issue asks: most of it is
+user's next model: the "new graph" column) takes 1.3-2.3 CPU s, not the 1 s targeted: most of it is
 PyTensor generating and compiling the new graph's function (``numba_funcified_fgraph``: 0.8 s of a new
 Kalman graph's 1.3 s, measured with Numba's compile events); iterops' kernels and entry points load.
 
@@ -147,8 +147,8 @@ c0, w0 = cpu(), time.perf_counter()
 """
 
 _REPORT = """
-from iterops._fused import _wait_for_background_compiles
-_wait_for_background_compiles()  # a companion compiled in the background but not needed: count it too
+from iterops import _background
+_background.wait()  # a companion compiled in the background but not needed: count it too
 print("RESULT " + json.dumps({"cpu": cpu() - c0, "wall": time.perf_counter() - w0, "import_cpu": c_import}))
 """
 

@@ -167,7 +167,7 @@ def run(quick: bool = False) -> list[Section]:
 
 
 # ---------------------------------------------------------------------------
-# Real model matrices (issue 18): statsmodels-built systems, pymc-extras' arithmetic (cov_jitter=1e-8)
+# Real model matrices: statsmodels-built systems, pymc-extras' arithmetic (cov_jitter=1e-8)
 # ---------------------------------------------------------------------------
 
 
@@ -183,7 +183,7 @@ def _from_statsmodels(mod, params):
 
 
 def _real_models(n):
-    """(label, statsmodels model bound to simulated data, our input dict): the issue's four cases."""
+    """(label, statsmodels model bound to simulated data, our input dict): four cases."""
     import scipy.linalg
     from statsmodels.tsa.statespace.sarimax import SARIMAX
     from statsmodels.tsa.statespace.structural import UnobservedComponents
@@ -486,8 +486,8 @@ def run_real_models(quick: bool = False) -> list[Section]:
             "(`sym_into` and the one-triangle loops), P_f's rank-5 update in loops (k = 5 <= `SMALL`, with the "
             "jitter's K K^T term in the same loop), the convergence test, and the copies of each step's "
             "filtered state and covariance, F and P into the outputs.\n\n"
-            "Why the structural targets are not met (measured 2026-12-02, n=300, at load 5-7; see issue 18's "
-            "note): (1) the structural model never reaches a steady state, with or without jitter: the relative "
+            "Why the structural targets are not met (measured 2026-12-02, n=300, at load 5-7"
+            "): (1) the structural model never reaches a steady state, with or without jitter: the relative "
             "change of the predicted covariance per step is 1e-1 at t=10, 2e-3 at t=100 and 1.8e-5 at t=299 "
             "against the shortcut's tolerance of 1e-14, and a dense NumPy filter of the same recursion converges "
             "only at step 1655 (the closed loop's largest eigenvalue is 0.992), so every step is a full step and "
@@ -516,7 +516,7 @@ def run_real_models(quick: bool = False) -> list[Section]:
             "2 pairs x 3.1 us (one pair of m=14 products, measured, loaded) = 1.1 ms, against the quiet run's "
             "4.22 - 2.97 = 1.25 ms.  Dense: radius 0.81, K = 128 of 221 steps, 128 x 2 x 2.2 us = 0.57 ms (about "
             "7-9% of f+g).  VAR: K = 2.  At j = 1e-8 those terms have relative size about j^2 = 1e-16; whether "
-            "to skip them is a kernel question (issue 18 item 1), not settled by this benchmark."
+            "to skip them is a kernel question, not settled by this benchmark."
         ),
 
     )
@@ -591,7 +591,7 @@ def run_real_models(quick: bool = False) -> list[Section]:
 
 
 # ---------------------------------------------------------------------------
-# Univariate measurement update (issue 18): crossover of kalman_filter(univariate=True / False)
+# Univariate measurement update: crossover of kalman_filter(univariate=True / False)
 # ---------------------------------------------------------------------------
 
 

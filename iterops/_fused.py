@@ -29,21 +29,19 @@ every function defined in the package (:class:`PackageCacheLocator`).  Editing
 any of those modules recompiles what depends on them; nothing is bumped by hand.
 
 Op options are cache keys too (:func:`entry_point` memoizes on them, PyTensor
-merges equal Ops), so they must be hashable and equal to themselves: a NaN
-option (``float("nan") != float("nan")``) is replaced by one canonical NaN
-object, by :func:`entry_point` and by :class:`FusedOp`'s ``__eq__``/``__hash__``.
+merges equal Ops), so they must be hashable and equal to themselves: an Op's
+constructor turns an option that could be NaN into ``None`` (``missing_value``).
 """
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import hashlib
 import logging
 import os
 import sys
 import threading
-from functools import cache, wraps
+from functools import cache
 from pathlib import Path
 
 import llvmlite.binding
@@ -59,10 +57,11 @@ from pytensor.link.numba.dispatch.basic import register_funcify_default_op_cache
 from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.utils import _parse_gufunc_signature
 
+from iterops import _background
+
 __all__ = [
     "FusedOp", "apply_batched", "register_fused_op", "entry_point", "data_ptr", "keep_alive", "F64P", "OpaqueKernel",
     "opaque_kernel", "LazyKernel", "PACKAGE_DIGEST", "KERNEL_SOURCES", "PackageCacheLocator", "OPAQUE_KERNELS",
-    "BACKGROUND_COMPILES",
 ]
 
 #: ``double*`` in a ``numba.cfunc`` signature (see :func:`data_ptr`).
@@ -173,20 +172,6 @@ if not any(c.__name__ == PackageCacheLocator.__name__ and c.__module__ == __name
     CacheImpl._locator_classes.insert(0, PackageCacheLocator)
 
 
-_NANS: dict = {}
-
-
-def _canonical(value):
-    """``value`` with every NaN (also inside tuples) replaced by one canonical object of its type,
-    so that it is equal to itself (containers compare identical items as equal) and hashes alike."""
-    if isinstance(value, float | complex | np.floating | np.complexfloating) and value != value:
-        return _NANS.setdefault((type(value), repr(value)), value)
-    if isinstance(value, tuple):
-        items = [_canonical(v) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    return value
-
-
 class OpaqueKernel:
     """A kernel behind a C-ABI barrier: ``numba.cfunc(signature, cache=True)`` compiled on first use,
     its address registered with LLVM under a symbol named after :data:`PACKAGE_DIGEST`, and
@@ -274,42 +259,22 @@ def _say_first_compile(kernel: OpaqueKernel) -> None:
     )
 
 
-#: Background warm-up processes (:func:`iterops.warmup.start_background`) that are compiling kernels into
-#: the on-disk cache.  A kernel needed in this process while one runs waits for it, then loads what it
-#: compiled, instead of compiling the same kernel a second time beside it.
-BACKGROUND_COMPILES: list = []
-_BACKGROUND_LOCK = threading.Lock()  # first calls of lazy kernels come from several sampler threads
-
-
-def _wait_for_background_compiles() -> None:
-    with _BACKGROUND_LOCK:
-        while BACKGROUND_COMPILES:
-            proc = BACKGROUND_COMPILES.pop(0)
-            if proc.poll() is None:
-                _log.info("iterops: waiting for the background kernel compile (pid %s)", proc.pid)
-                proc.wait()
-
-
 def _compile_companions(kernel: OpaqueKernel) -> None:
-    """Start compiling ``kernel.companions`` in a background process (those not cached), unless this
-    machine has one core or ``ITEROPS_BACKGROUND_COMPILE=0`` (``python -m iterops.warmup`` sets it: it
-    schedules every kernel itself).  The process is ended when this one exits."""
-    if not kernel.companions or (os.cpu_count() or 1) < 2 or os.environ.get("ITEROPS_BACKGROUND_COMPILE") == "0":
+    """Start compiling ``kernel.companions`` that are not cached in a background process
+    (:mod:`iterops._background`; not when it is switched off)."""
+    if not kernel.companions or not _background.enabled:
         return
-    from iterops.warmup import start_background
-
+    known = {f"{k.pyfunc.__module__}.{k.pyfunc.__name__}": k for k in OPAQUE_KERNELS if k.float64_only}
+    todo = sorted(name for name in kernel.companions if name in known and not known[name].is_cached())
     try:
-        proc = start_background(kernel.companions)
+        _background.start(todo, str(_PACKAGE_DIR.parent))
     except Exception:  # never let a background convenience stop a compile
         _log.exception("iterops: could not start a background compile")
-        return
-    if proc is not None:
-        atexit.register(lambda: proc.poll() is None and proc.terminate())
 
 
 @cache
 def _register_opaque(kernel: OpaqueKernel):
-    _wait_for_background_compiles()
+    _background.wait()
     cfunc = kernel._cfunc()
     if not kernel.is_cached():
         _say_first_compile(kernel)
@@ -359,7 +324,7 @@ class LazyKernel(OpaqueKernel):
     def compile(self) -> None:
         with self._lock:
             if self._compiled is None:
-                _wait_for_background_compiles()
+                _background.wait()
                 cfunc = self._cfunc()
                 if not self.is_cached():
                     _say_first_compile(self)
@@ -429,35 +394,12 @@ def data_ptr(typingctx, arr):
     return sig, codegen
 
 
-def _props_eq(self, other):
-    return self is other or (
-        type(self) is type(other) and _canonical(self._props()) == _canonical(other._props())
-    )
-
-
-def _props_hash(self):
-    return hash((type(self), _canonical(self._props())))
-
-
-class _FusedOpType(type(Op)):
-    """Gives every class that declares ``__props__`` (and no ``__eq__``/``__hash__`` of its own)
-    equality and hashing over its props with NaN made equal to itself; PyTensor's metaclass
-    would otherwise generate a plain tuple comparison, under which an Op with a NaN option is
-    not equal to its copy."""
-
-    def __new__(mcs, name, bases, dct):
-        if "__props__" in dct:
-            dct.setdefault("__eq__", _props_eq)
-            dct.setdefault("__hash__", _props_hash)
-        return super().__new__(mcs, name, bases, dct)
-
-
-class FusedOp(Op, metaclass=_FusedOpType):
+class FusedOp(Op):
     """Base class of iterops' fused-loop core Ops.
 
     Subclasses implement ``make_node``, ``infer_shape``, ``pullback`` and
-    :meth:`numba_fn`; ``perform`` is inherited.  Ops are equal when their props are
-    (a NaN prop equals a NaN prop).
+    :meth:`numba_fn`; ``perform`` is inherited.  Ops are equal when their props are (a
+    constructor normalises an option that could be NaN, so that props equal themselves).
     """
 
     def numba_fn(self, node: Apply):
@@ -509,23 +451,13 @@ def register_fused_op(op_type):
 def entry_point(builder):
     """Memoize a factory of jitted entry points on its (hashable) arguments.
 
-    ``builder(*static_args)`` returns a ``numba.njit`` function.  Entry points
-    are thin: they cast inputs to the working precision, call the module's
-    kernel and cast back, so compiling them is cheap while the kernel itself
-    is cached on disk.  ``perform`` asks for the entry point on every call, so
-    the memo must hit: NaN arguments (a NaN option, or a NaN sentinel for
-    "unset") are replaced by a canonical NaN first.  ``cache_info()`` counts
-    builds (misses).
+    ``builder(*static_args)`` returns a ``numba.njit`` function.  Entry points are thin: they check
+    the run-time shapes, cast inputs to the working precision, call the module's kernel and cast back,
+    so compiling them is cheap while the kernel itself is cached on disk.  ``perform`` asks for the
+    entry point on every call, so the memo must hit: arguments must equal themselves (no NaN).
+    ``cache_info()`` counts builds (misses).
     """
-    memo = cache(builder)
-
-    @wraps(builder)
-    def get(*args, **kwargs):
-        return memo(*map(_canonical, args), **{k: _canonical(v) for k, v in kwargs.items()})
-
-    get.cache_info = memo.cache_info
-    get.cache_clear = memo.cache_clear
-    return get
+    return cache(builder)
 
 
 def dtype_name(var) -> str:

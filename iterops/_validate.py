@@ -1,12 +1,17 @@
-"""Graph-build-time validation helpers shared by the public functions.
+"""Shape and dtype validation shared by the public functions and the entry points.
 
-Errors name the argument and show the shapes/dtypes the user passed, e.g.
-``ValueError: solve_discrete_lyapunov: A must be square in its last two
+Graph-build time (``as_tensor``, ``check_square``, ``check_dim_match``): errors name the argument and
+show the static shapes, e.g. ``ValueError: solve_discrete_lyapunov: A must be square in its last two
 dimensions, got A with shape (3, 4) (static shape; None = unknown)``.
+
+Run time (:func:`check_shape`, jitted): every entry point checks each shape relation its kernel relies
+on before an array reaches the kernel (or its pointer crosses a C-ABI barrier, where a wrong shape is an
+out-of-bounds read), and raises :class:`ShapeError` (a ``ValueError``) naming the argument.
 """
 
 from __future__ import annotations
 
+import numba
 import pytensor.tensor as pt
 from pytensor.tensor.variable import TensorVariable
 
@@ -59,3 +64,31 @@ def float_dtype(*xs) -> str:
     if dtype.startswith(("int", "uint", "bool")):
         return pytensor.config.floatX
     return dtype
+
+
+class ShapeError(ValueError):
+    """A run-time shape mismatch: ``ShapeError(func, name, spec, got, want)``; ``-1`` in ``want`` = any."""
+
+    def __str__(self):
+        if len(self.args) != 5:
+            return super().__str__()
+        func, name, spec, got, want = self.args
+        want = "(" + ", ".join("?" if w < 0 else str(w) for w in want) + ("," if len(want) == 1 else "") + ")"
+        return f"{func}: {name} must have shape {spec} = {want} at run time, got {name} with shape {tuple(got)}"
+
+
+@numba.njit(cache=True)
+def check_shape(func, name, x, spec, want):
+    """Raise :class:`ShapeError` unless ``x.shape`` matches ``want`` (a tuple; ``-1`` = any size).
+
+    ``spec`` says where ``want`` comes from, e.g. ``"(n, k), n = len(c)"``."""
+    for i in range(len(want)):
+        if want[i] >= 0 and x.shape[i] != want[i]:
+            raise ShapeError(func, name, spec, x.shape, want)
+
+
+@numba.njit(cache=True)
+def check_at_least(func, name, x, spec, length):
+    """Raise :class:`ShapeError` unless the 1-d ``x`` has at least ``length`` entries."""
+    if x.shape[0] < length:
+        raise ShapeError(func, name, spec, x.shape, (length,))

@@ -22,7 +22,7 @@ Running it again is cheap: everything loads from the cache.
 From Python, :func:`start_background` compiles the kernels a program is going to need in another
 process while this one does other work (the demo compiles iterops' kernels on the second core while
 the Scan baselines compile on the first); a kernel this process needs meanwhile waits for that process
-and loads what it compiled (:data:`iterops._fused.BACKGROUND_COMPILES`), so nothing is compiled twice.
+and loads what it compiled (:mod:`iterops._background`), so nothing is compiled twice.
 """
 
 from __future__ import annotations
@@ -152,24 +152,15 @@ def start_background(names):
     """Compile the float64 kernels whose functions are named in ``names`` (``module.function``, e.g.
     ``"iterops.ts.kalman._adjoint_abi"``) into the on-disk cache in a separate process, and return it
     (``None`` when every one is cached already).  Until it ends, a kernel this process needs waits for it
-    and then loads from the cache (:data:`iterops._fused.BACKGROUND_COMPILES`).  Its output goes to this
-    process's stderr only if it fails."""
-    import subprocess
+    and then loads from the cache (:mod:`iterops._background`).  Its output goes to this process's stderr
+    only if it fails."""
     from pathlib import Path
 
     import iterops
-    from iterops._fused import BACKGROUND_COMPILES
+    from iterops import _background
 
     todo = sorted({_function_name(k) for k in _selected(False, set(names)) if not k.is_cached()})
-    if not todo:
-        return None
-    # ``python -m iterops.warmup``, falling back to this iterops when it was put on sys.path by hand (the
-    # folder goes last on the child's path, so it shadows nothing)
-    code = (f"import sys; sys.path.append({str(Path(iterops.__file__).resolve().parents[1])!r}); "
-            f"from iterops.warmup import main; sys.exit(main({['--quiet', '--kernels', *todo]!r}))")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL)
-    BACKGROUND_COMPILES.append(proc)
-    return proc
+    return _background.start(todo, str(Path(iterops.__file__).resolve().parents[1]))
 
 
 def main(argv=None) -> int:
@@ -199,10 +190,11 @@ def main(argv=None) -> int:
     log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, flush=True))
 
     import logging
-    import os
+
+    from iterops import _background
 
     logging.getLogger("iterops").setLevel(logging.ERROR)  # this command says it itself
-    os.environ["ITEROPS_BACKGROUND_COMPILE"] = "0"  # it schedules every kernel itself (no companions on the side)
+    _background.enabled = False  # it schedules every kernel itself (no companions on the side)
     from iterops._fused import kernel_cache_dir
     import numba
 

@@ -108,7 +108,7 @@ def test_bad_input():
 
 
 # ---------------------------------------------------------------------------
-# Drop-in for pytensor.tensor.linalg.block_diag with any shapes (issue 13)
+# Drop-in for pytensor.tensor.linalg.block_diag with any shapes
 # ---------------------------------------------------------------------------
 
 
@@ -175,7 +175,7 @@ def test_single_matrix_and_empty_sequence(rng):
 
 
 # ---------------------------------------------------------------------------
-# Zero-size stacks (issue 13)
+# Zero-size stacks
 # ---------------------------------------------------------------------------
 
 

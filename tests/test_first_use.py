@@ -179,7 +179,7 @@ def test_warmup_parts_cover_every_kernel_and_graph_once(jobs):
 
 _BACKGROUND = '''
 import iterops
-from iterops._fused import BACKGROUND_COMPILES
+from iterops._background import RUNNING as BACKGROUND_COMPILES
 from iterops.linalg.lyapunov import _ABI
 from iterops.warmup import start_background
 
@@ -217,7 +217,7 @@ def test_warmup_rejects_an_unknown_kernel_name():
 
 _COMPANIONS = '''
 import iterops
-from iterops._fused import BACKGROUND_COMPILES
+from iterops._background import RUNNING as BACKGROUND_COMPILES
 from iterops.linalg.lyapunov import _ABI, _SCHUR_ABI
 
 solver, fallback = _ABI["float64"], _SCHUR_ABI["float64"]

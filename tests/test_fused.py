@@ -15,10 +15,9 @@ import pytensor
 import pytensor.tensor as pt
 import pytest
 from pytensor.compile.mode import Mode
-from pytensor.graph.basic import Apply
 
 import iterops
-from iterops._fused import FusedOp, entry_point
+
 from iterops.ts import kalman_filter, kalman_smoother
 
 # the modules (``iterops.ts.kalman_smoother`` is also the name of a function)
@@ -29,47 +28,16 @@ LINKERS = {"python": "FAST_COMPILE", "c": Mode(linker="cvm"), "numba": "NUMBA"}
 
 
 # ---------------------------------------------------------------------------
-# Entry points and Op identity with NaN-valued options (a NaN is not equal to itself)
+# Op identity: a NaN option is normalised (a NaN is not equal to itself)
 # ---------------------------------------------------------------------------
 
 
-def test_entry_point_memoizes_nan_arguments():
-    built = []
-
-    @entry_point
-    def build(x: float, opts: tuple):
-        built.append((x, opts))
-        return lambda: x
-
-    for _ in range(3):
-        build(float("nan"), (1.0, float("nan")))
-        build(np.float64("nan"), (1.0, float("nan")))
-        build(0.5, (1.0, 2.0))
-    assert len(built) == 3
-    assert build.cache_info().misses == 3
-    assert np.isnan(build(float("nan"), ())())  # the builder still sees a NaN
-
-
-class _NanPropOp(FusedOp):
-    __props__ = ("value", "pair")
-
-    def __init__(self, value, pair=(0.0, 0.0)):
-        self.value = float(value)
-        self.pair = tuple(float(v) for v in pair)
-
-    def make_node(self, x):
-        x = pt.as_tensor_variable(x)
-        return Apply(self, [x], [x.type()])
-
-
-def test_op_with_nan_props_equals_itself():
-    a, b = _NanPropOp(float("nan"), (1.0, float("nan"))), _NanPropOp(np.nan, (1.0, np.float64("nan")))
-    assert a == a and a == b and hash(a) == hash(b)
-    assert a != _NanPropOp(1.0, (1.0, float("nan")))
-    assert a != _NanPropOp(float("nan"), (1.0, 2.0))
-    # the Kalman Ops keep NaN-valued options too
-    k1, k2 = kalman.KalmanFilter(missing_value=float("nan")), kalman.KalmanFilter(missing_value=float("nan"))
-    assert k1 == k2 and hash(k1) == hash(k2)
+def test_nan_missing_value_is_no_missing_value():
+    """``missing_value=nan`` says what NaN entries always are (missing): the Op is the default one."""
+    k1, k2 = kalman.KalmanFilter(missing_value=float("nan")), kalman.KalmanFilter(missing_value=np.float64("nan"))
+    assert k1.missing_value is None
+    assert k1 == k2 == kalman.KalmanFilter() and hash(k1) == hash(k2) == hash(kalman.KalmanFilter())
+    assert k1 != kalman.KalmanFilter(missing_value=-9999.0)
 
 
 # ---------------------------------------------------------------------------
@@ -86,8 +54,7 @@ def _local_level_inputs():
 def test_kalman_entry_points_built_once(linker):
     values = [np.asarray(v, dtype="float64") for v in _local_level_inputs()]
     syms = [pt.tensor(f"x{i}", shape=v.shape, dtype="float64") for i, v in enumerate(values)]
-    # default missing_value=None: the entry points get a NaN sentinel; a cov_jitter unique to
-    # this test gives entry points no other test has built
+    # a cov_jitter unique to this test gives entry points no other test has built
     opts = dict(cov_jitter=1.2345e-11)
     system = dict(zip(("c", "d", "T", "Z", "R", "H", "Q"), syms[3:]))
     res = kalman_filter(*syms[:3], **system, **opts)

@@ -1,4 +1,4 @@
-"""The loop spellings users write (issue 15 item 3): each is fused and equals the unrewritten loop.
+"""The loop spellings users write: each is fused and equals the unrewritten loop.
 
 Every spelling is a reference loop of :mod:`iterops.reference_loops`; the oracle is that loop compiled
 with ``mode.excluding("iterops")`` (values, and gradients by autodiff of the Scan).  Near misses of the

@@ -313,7 +313,7 @@ def test_runtime_shape_mismatch_is_an_error_not_garbage():
 
 
 # ---------------------------------------------------------------------------
-# Every entry to its own scale (issue 13): doubling stopped on the max-abs change, so entries
+# Every entry to its own scale: doubling stopped on the max-abs change, so entries
 # many orders below the largest one were never checked.
 # ---------------------------------------------------------------------------
 
@@ -385,7 +385,7 @@ def test_doubling_unit_root_and_unstable_are_nan_not_a_hang(solvers):
 
 
 # ---------------------------------------------------------------------------
-# Zero-size input (issue 13)
+# Zero-size input
 # ---------------------------------------------------------------------------
 
 

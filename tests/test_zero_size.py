@@ -1,4 +1,4 @@
-"""Zero-size and order-0 input of the time-series Ops (issue 13): each gives the right empty or
+"""Zero-size and order-0 input of the time-series Ops: each gives the right empty or
 trivial result (values and gradients, every linker), or a graph-build-time ValueError that names
 the argument and shows its shape.  Lyapunov and block_diag: see their own test modules."""
 

@@ -19,15 +19,9 @@ elsewhere, with the same determinant), ``v_o`` and the missing rows of ``Z_o`` a
 rounding.  Symmetric matrices are computed on the upper triangle and mirrored, as the kernels do.  For up
 to 8 observables the Cholesky factor of ``F_oo`` and its solves are unrolled element operations, and small
 matrix products are broadcast products (:func:`iterops.jax._common.mm`): on CPU a LAPACK call or a ``dot``
-inside a ``lax.scan`` costs ~0.5 us per call, more than a small matrix's arithmetic, while element
-operations fuse (m = 4, p = 2: 5x faster forward, 8x loglik+gradient).  The steady-state shortcut of the Numba kernel (freezing ``P`` once converged to ``1e-14``) is not taken: the
-full recursion runs, which changes results only at that relative level.  Measured on CPU (loglik; models of
-``benchmarks/bench_jax.py``, whose covariances converge after 37, 103 and 263 steps): a ``lax.cond`` per scan
-step between the full step and the mean-only step gave 1.4x (m = 4, p = 2, n = 500), 1.15x (m = 20, p = 5)
-and 1.9x (local level, n = 10,000), and alternating ``lax.while_loop`` phases 1.05-1.25x (buffer copies at
-the loop boundaries); loglik + gradient gains at most 1.2x, because the reverse pass dominates it and its
-steady stretch (the Numba adjoint's Lyapunov sum) is not ported; under ``vmap`` a batched ``lax.cond``
-runs both branches (slower than the plain scan).  Not worth its code for now.
+inside a ``lax.scan`` costs more than a small matrix's arithmetic, while element operations fuse.  The
+steady-state shortcut of the Numba kernel (freezing ``P`` once converged to ``1e-14``) is not taken: the full
+recursion runs, which changes results only at that relative level (why: ``benchmarks/RESULTS.md``, JAX section).
 
 Options (the Op's props): ``time_varying`` (7 flags for c, d, T, Z, R, H, Q: a time-varying matrix is a
 scan input, a static one has a time axis of length 1), ``cov_jitter``, ``missing_value`` (NaN is always

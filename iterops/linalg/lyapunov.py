@@ -79,7 +79,7 @@ from iterops._fused import (
 )
 from iterops._implicit import implicit_pullback, implicit_pushforward
 from iterops._linalg_kernels import copy_into, mm
-from iterops._validate import as_tensor, check_dim_match, check_square, float_dtype
+from iterops._validate import as_tensor, check_dim_match, check_shape, check_square, float_dtype
 
 __all__ = ["solve_discrete_lyapunov", "DiscreteLyapunov", "lyapunov_kernel"]
 
@@ -312,8 +312,8 @@ def _lyapunov_entry(work_dtype: str, out_dtype: str, method: int, tol: float, ma
     @numba.njit
     def solve(A, Q):
         n = A.shape[0]
-        if A.shape[1] != n or Q.shape[0] != n or Q.shape[1] != n:
-            raise ValueError("solve_discrete_lyapunov: A and Q must both be (n, n) with the same n")
+        check_shape("solve_discrete_lyapunov", "A", A, "(n, n), n = A.shape[0]", (n, n))
+        check_shape("solve_discrete_lyapunov", "Q", Q, "(n, n), n = A.shape[0]", (n, n))
         A_ = np.ascontiguousarray(A.astype(work))
         Q_ = np.ascontiguousarray(Q.astype(work))
         X = np.empty((n, n), dtype=work)

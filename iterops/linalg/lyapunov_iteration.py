@@ -82,6 +82,8 @@ reverse mode only: forward mode and second derivatives are not implemented
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba
 import numpy as np
 from numba import types
@@ -94,11 +96,12 @@ from pytensor.graph.rewriting.basic import copy_stack_trace, node_rewriter
 from pytensor.tensor.exceptions import ShapeError
 from pytensor.tensor.variable import TensorVariable
 
+from iterops._abi import SIGNATURE, Abi, Struct
 from iterops._fused import (
     FusedOp, OpaqueKernel, apply_batched, data_ptr, entry_point, keep_alive, register_fused_op,
 )
 from iterops._linalg_kernels import copy_into
-from iterops._validate import as_tensor, check_dim_match, check_square, float_dtype
+from iterops._validate import as_tensor, check_dim_match, check_shape, check_square, float_dtype
 
 __all__ = [
     "smith_doubling_loop",
@@ -389,18 +392,30 @@ def _fixed_point_step_vjp(A, X, AX, G, G_out, GA, GQ, PT, W):
     _add_into(GA, W)
 
 
+class _Rule(NamedTuple):
+    """How the fixed-point loop runs: its stop rule, whether the whole trace is kept, its damping."""
+
+    tol: float
+    n_steps: int
+    stop: int
+    keep: bool
+    damp: int
+    w: float  #: in the iterates' dtype
+
+
 @numba.njit(cache=True)
-def _fixed_point_steps(A, At, Q, Xs, AXs, Ps, k, tol, n_steps, stop, keep, damp, w):
+def _fixed_point_steps(A, At, Q, Xs, AXs, Ps, k, rule):
     """Steps of the loop from iterate ``k`` (in slot ``_slot(k, keep)``) until the stop rule holds, ``n_steps``
     steps are run or (with ``keep``) ``Xs`` is full: ``(steps run, done)``.  Step ``j`` writes ``A X_j`` to
     ``AXs[_slot(j, keep)]`` and, damped, ``(A X_j) A^T`` to ``Ps[_slot(j, keep)]``."""
-    while k < n_steps:
+    keep, damp = rule.keep, rule.damp
+    while k < rule.n_steps:
         if keep and k + 1 == Xs.shape[0]:
             return k, False
         old, new = _slot(k, keep), _slot(k + 1, keep)
-        _fixed_point_step(A, At, Q, Xs[old], Xs[new], AXs[old], Ps[old] if damp != 0 else AXs[old], damp, w)
+        _fixed_point_step(A, At, Q, Xs[old], Xs[new], AXs[old], Ps[old] if damp != 0 else AXs[old], damp, rule.w)
         k += 1
-        if _stopped(Xs[new], Xs[old], tol, stop):
+        if _stopped(Xs[new], Xs[old], rule.tol, rule.stop):
             break
     return k, True
 
@@ -417,13 +432,14 @@ def _fixed_point_run(A, Q, X0, tol, n_steps, stop, keep, damp, w):
     Ps = _buffer(n_steps, keep and damp != 0, m, X0.dtype)
     Xs[0] = X0
     At = np.ascontiguousarray(A.T)
-    k, done = _fixed_point_steps(A, At, Q, Xs, AXs, Ps, 0, tol, n_steps, stop, keep, damp, w)
+    rule = _Rule(tol, n_steps, stop, keep, damp, w)
+    k, done = _fixed_point_steps(A, At, Q, Xs, AXs, Ps, 0, rule)
     while not done:
         Xs = _grow(Xs, n_steps)
         AXs = _grow(AXs, n_steps)
         if damp != 0:
             Ps = _grow(Ps, n_steps)
-        k, done = _fixed_point_steps(A, At, Q, Xs, AXs, Ps, k, tol, n_steps, stop, keep, damp, w)
+        k, done = _fixed_point_steps(A, At, Q, Xs, AXs, Ps, k, rule)
     return Xs, AXs, Ps, k
 
 
@@ -494,39 +510,6 @@ def _doubling_abi(A, Q, Ga, Gg, alpha, gamma, m, tol, n_steps, stop, adjoint):
     return 0
 
 
-def _fixed_point_abi(A, Q, X0, G, X_or_A_bar, Q_bar, X0_bar, w_bar, Xs, AXs, Ps, m, cap, k, tol, n_steps, stop,
-                     mode, damp, w):
-    """``mode`` 0, forward: writes X.  1, adjoint: reads G, writes (A_bar, Q_bar, X0_bar) and ``w_bar[0]``.
-    2, traced run: from iterate ``k`` (in ``Xs[k]``) runs on in the caller's ``cap``-slot buffers ``Xs``,
-    ``AXs``, ``Ps`` (damped, else 1 slot), iterate ``j`` in slot ``j``, until done or full; returns
-    ``2 * (steps run) + done``.  3, reverse of the ``k`` steps traced in ``Xs`` (k + 1 slots), ``AXs`` and
-    ``Ps`` (k slots, undamped 1): as mode 1."""
-    A_, Q_ = numba.carray(A, (m, m)), numba.carray(Q, (m, m))
-    if mode == 2:
-        Xs_, AXs_ = numba.carray(Xs, (cap, m, m)), numba.carray(AXs, (cap, m, m))
-        Ps_ = numba.carray(Ps, (cap if damp != 0 else 1, m, m))
-        At = np.ascontiguousarray(A_.T)
-        k, done = _fixed_point_steps(A_, At, Q_, Xs_, AXs_, Ps_, k, tol, n_steps, stop, True, damp,
-                                     Xs_.dtype.type(w))
-        return 2 * k + (1 if done else 0)
-    if mode == 3:
-        a, q, x, wb = _fixed_point_reverse(A_, Q_, numba.carray(Xs, (k + 1, m, m)), numba.carray(AXs, (k, m, m)),
-                                           numba.carray(Ps, (k if damp != 0 else 1, m, m)), k, damp,
-                                           A_.dtype.type(w), numba.carray(G, (m, m)))
-    elif mode == 1:
-        a, q, x, wb = lyapunov_fixed_point_adjoint_kernel(A_, Q_, numba.carray(X0, (m, m)), tol, n_steps, stop,
-                                                          damp, w, numba.carray(G, (m, m)))
-    else:
-        numba.carray(X_or_A_bar, (m, m))[:] = lyapunov_fixed_point_kernel(A_, Q_, numba.carray(X0, (m, m)), tol,
-                                                                          n_steps, stop, damp, w)
-        return 0
-    numba.carray(X_or_A_bar, (m, m))[:] = a
-    numba.carray(Q_bar, (m, m))[:] = q
-    numba.carray(X0_bar, (m, m))[:] = x
-    numba.carray(w_bar, (1,))[0] = wb
-    return 0
-
-
 _PTR = {"float32": types.CPointer(types.float32), "float64": types.CPointer(types.float64)}
 _CONTROL = (types.int64, types.float64, types.int64, types.int64, types.boolean)  # m, tol, n_steps, stop, adjoint
 
@@ -535,20 +518,118 @@ _DOUBLING_ABI = {
     (a, q): OpaqueKernel(types.int64(*[_PTR[a], _PTR[q]] * 3, *_CONTROL), _doubling_abi, tag=f"_{a}_{q}")
     for a, q in (("float32", "float32"), ("float32", "float64"), ("float64", "float64"))
 }
-_FIXED_POINT_ABI = {  # 11 arrays; m, cap, k, tol, n_steps, stop, mode, damp, w
-    d: OpaqueKernel(types.int64(*[_PTR[d]] * 11, *[types.int64] * 3, types.float64, *[types.int64] * 4,
-                                types.float64), _fixed_point_abi, tag=f"_{d}") for d in _PTR
+class FixedPointArrays(NamedTuple):
+    """What the fixed-point kernel reads and writes (m x m matrices; a mode's unused arrays are empty)."""
+
+    A: np.ndarray  #: (m, m)
+    Q: np.ndarray  #: (m, m)
+    X0: np.ndarray  #: (m, m)
+    G: np.ndarray  #: (m, m) cotangent of the final X (adjoint modes)
+    out: np.ndarray  #: (3, m, m) written: X in out[0], or (A_bar, Q_bar, X0_bar)
+    w_bar: np.ndarray  #: (1,) written: the damping factor's cotangent
+    Xs: np.ndarray  #: (slots, m, m) the trace: iterate j in slot j (traced modes)
+    AXs: np.ndarray  #: (slots, m, m) step j's A X_j
+    Ps: np.ndarray  #: (slots, m, m) damped: step j's (A X_j) A^T (undamped: unused)
+
+
+class FixedPointControl(NamedTuple):
+    """The loop's controls and which mode to run (:data:`_FIXED_POINT_MODES`)."""
+
+    mode: int
+    k: int  #: traced run: the iterate to continue from; reverse from a trace: the steps traced
+    tol: float
+    n_steps: int
+    stop: int
+    damp: int
+    w: float
+
+
+_FIXED_POINT_STRUCTS = dict(
+    arrays=Struct(FixedPointArrays, A=2, Q=2, X0=2, G=2, out=3, w_bar=1, Xs=3, AXs=3, Ps=3),
+    control=Struct(FixedPointControl, mode="i", k="i", tol="f", n_steps="i", stop="i", damp="i", w="f"),
+)
+_FIXED_POINT_ARGS = {d: Abi(dtype=d, **_FIXED_POINT_STRUCTS) for d in ("float32", "float64")}
+_fixed_point_args32, _fixed_point_args64 = _FIXED_POINT_ARGS["float32"].unpack, _FIXED_POINT_ARGS["float64"].unpack
+
+
+@numba.njit(cache=True)
+def _fp_forward(a, c):
+    """Mode 0: writes the final X to ``out[0]``."""
+    copy_into(lyapunov_fixed_point_kernel(a.A, a.Q, a.X0, c.tol, c.n_steps, c.stop, c.damp, c.w), a.out[0])
+    return 0
+
+
+@numba.njit(cache=True)
+def _fp_write_cotangents(a, grads):
+    """Writes ``(A_bar, Q_bar, X0_bar, w_bar)`` into ``out`` and ``w_bar``."""
+    copy_into(grads[0], a.out[0])
+    copy_into(grads[1], a.out[1])
+    copy_into(grads[2], a.out[2])
+    a.w_bar[0] = grads[3]
+    return 0
+
+
+@numba.njit(cache=True)
+def _fp_adjoint(a, c):
+    """Mode 1: the loop run again keeping its trace, then its reverse from ``G``."""
+    grads = lyapunov_fixed_point_adjoint_kernel(a.A, a.Q, a.X0, c.tol, c.n_steps, c.stop, c.damp, c.w, a.G)
+    return _fp_write_cotangents(a, grads)
+
+
+@numba.njit(cache=True)
+def _fp_traced(a, c):
+    """Mode 2: from iterate ``k`` (in ``Xs[k]``) runs on in the caller's buffers until done or full; returns
+    ``2 * (steps run) + done``."""
+    At = np.ascontiguousarray(a.A.T)
+    rule = _Rule(c.tol, c.n_steps, c.stop, True, c.damp, a.Xs.dtype.type(c.w))
+    k, done = _fixed_point_steps(a.A, At, a.Q, a.Xs, a.AXs, a.Ps, c.k, rule)
+    return 2 * k + (1 if done else 0)
+
+
+@numba.njit(cache=True)
+def _fp_from_trace(a, c):
+    """Mode 3: the reverse of the ``k`` steps traced in ``Xs`` (k + 1 slots), ``AXs`` and ``Ps`` (k slots)."""
+    grads = _fixed_point_reverse(a.A, a.Q, a.Xs, a.AXs, a.Ps, c.k, c.damp, a.A.dtype.type(c.w), a.G)
+    return _fp_write_cotangents(a, grads)
+
+
+@numba.njit(cache=True)
+def _fixed_point_modes(a, c):
+    if c.mode == 0:
+        return _fp_forward(a, c)
+    if c.mode == 1:
+        return _fp_adjoint(a, c)
+    if c.mode == 2:
+        return _fp_traced(a, c)
+    return _fp_from_trace(a, c)
+
+
+def _fixed_point_abi32(ptrs, dims, vals):
+    """C-ABI barrier of the fixed-point kernels, float32 (arguments: :data:`_FIXED_POINT_STRUCTS`)."""
+    return _fixed_point_modes(*_fixed_point_args32(ptrs, dims, vals))
+
+
+def _fixed_point_abi64(ptrs, dims, vals):
+    """C-ABI barrier of the fixed-point kernels, float64 (arguments: :data:`_FIXED_POINT_STRUCTS`)."""
+    return _fixed_point_modes(*_fixed_point_args64(ptrs, dims, vals))
+
+
+#: per working dtype (float64 inputs of other Ops run in float64)
+_FIXED_POINT_ABI = {
+    "float32": OpaqueKernel(SIGNATURE, _fixed_point_abi32),
+    "float64": OpaqueKernel(SIGNATURE, _fixed_point_abi64),
 }
 
 
 @numba.njit
-def _same_square(*shapes):
-    """All shapes (m, m) with one m (a malformed call raises in the entry points, never in a kernel)."""
-    n = shapes[0][0]
-    ok = True
-    for shape in shapes:
-        ok = ok and shape[0] == n and shape[1] == n
-    return ok
+def _check_squares(func, A, Q, X0, G):
+    """``A``, ``Q``, ``X0``, ``G`` all (m, m), ``m = A.shape[0]`` (pass ``A`` again for an absent one)."""
+    m = A.shape[0]
+    spec = "(m, m), m = A.shape[0]"
+    check_shape(func, "A", A, spec, (m, m))
+    check_shape(func, "Q", Q, spec, (m, m))
+    check_shape(func, "X0", X0, spec, (m, m))
+    check_shape(func, "cotangent", G, spec, (m, m))
 
 
 @entry_point
@@ -560,8 +641,7 @@ def _doubling_entry(stop: int, a_dtype: str, q_dtype: str, adjoint: bool):
     @numba.njit
     def run(A, Q, tol, n_steps, Ga, Gg):
         m = A.shape[0]
-        if not _same_square(A.shape, Q.shape, Ga.shape, Gg.shape):
-            raise ValueError("smith_doubling_loop: A, Q (and cotangents) must all be (m, m) with the same m")
+        _check_squares("smith_doubling_loop", A, Q, Ga, Gg)
         # dtypes are the node's (make_node casts); only the layout may need a copy
         A_, Q_ = np.ascontiguousarray(A), np.ascontiguousarray(Q)
         Ga_, Gg_ = np.ascontiguousarray(Ga), np.ascontiguousarray(Gg)
@@ -580,118 +660,73 @@ def _doubling_entry(stop: int, a_dtype: str, q_dtype: str, adjoint: bool):
 
 @entry_point
 def _fixed_point_entry(stop: int, dtype: str, adjoint: bool, damp: int = 0, trace: bool = False):
-    """Undamped: ``forward(A, Q, X0, tol, n_steps) -> X`` or ``adjoint(..., G) -> (A_bar, Q_bar, X0_bar)``;
-    damped (``damp`` a code of :data:`_DAMPINGS`): the same with ``w`` after ``n_steps``, and ``w_bar`` last.
-    With ``trace``: ``traced(A, Q, X0, tol, n_steps[, w]) -> (X, Xs, AXs, Ps)`` (:class:`LyapunovFixedPointTrace`)
-    or ``from_trace(A, Q, X0, Xs, AXs, Ps[, w], G)`` (:class:`LyapunovFixedPointTraceGrad`)."""
-    abi = _FIXED_POINT_ABI[dtype].external
+    """The entry point of the four fixed-point Ops (``damp`` a code of :data:`_DAMPINGS`; ``[w]`` when damped):
+
+    * ``(A, Q, X0, tol, n_steps[, w]) -> X``, with ``adjoint`` ``(..., G) -> (A_bar, Q_bar, X0_bar[, w_bar])``;
+    * with ``trace``: ``(A, Q, X0, tol, n_steps[, w]) -> (X, Xs, AXs, Ps)`` (:class:`LyapunovFixedPointTrace`),
+      with ``adjoint`` ``(A, Q, X0, Xs, AXs, Ps[, w], G) -> (A_bar, Q_bar, X0_bar[, w_bar])``.
+
+    Branches on these static options are pruned by Numba, so each Op compiles only its own path."""
+    abi, pack = _FIXED_POINT_ABI[dtype].external, _FIXED_POINT_ARGS[dtype].pack
     t = np.dtype(dtype).type
+    mode = 2 * int(trace) + int(adjoint)
+    i_w = 6 if mode == 3 else 5  # where w sits in the arguments, then G
+    i_G = i_w + (1 if damp != 0 else 0)
+    func = "lyapunov_fixed_point_loop" + (" gradient" if adjoint else "")
 
     @numba.njit
-    def run(A, Q, X0, tol, n_steps, w, G):
-        m = A.shape[0]
-        if not _same_square(A.shape, Q.shape, X0.shape, G.shape):
-            raise ValueError("lyapunov_fixed_point_loop: A, Q, X0 (and G) must all be (m, m) with the same m")
+    def call(a, c):
+        ptrs, dims, vals = pack(a, c)
+        r = abi(data_ptr(ptrs), data_ptr(dims), data_ptr(vals))
+        keep_alive((a, ptrs, dims, vals))
+        return int(r)
+
+    @numba.njit
+    def fixed_point_fn(*args):
         # dtypes are the node's (make_node casts); only the layout may need a copy
-        A_, Q_ = np.ascontiguousarray(A), np.ascontiguousarray(Q)
-        X0_, G_ = np.ascontiguousarray(X0), np.ascontiguousarray(G)
-        out = np.empty((3, m, m), dtype=t)
-        w_bar = np.zeros((1,), dtype=t)
-        p_A = data_ptr(A_)  # stands in for the unused trace buffers
-        abi(p_A, data_ptr(Q_), data_ptr(X0_), data_ptr(G_),
-            data_ptr(out[0]), data_ptr(out[1]), data_ptr(out[2]), data_ptr(w_bar), p_A, p_A, p_A,
-            m, 0, 0, np.float64(tol.item()), np.int64(n_steps.item()), stop, 1 if adjoint else 0, damp, w)
-        keep_alive((A_, Q_, X0_, G_, out, w_bar))
-        return out[0], out[1], out[2], w_bar
-
-    @numba.njit
-    def run_traced(A, Q, X0, tol, n_steps, w):
+        A, Q, X0 = np.ascontiguousarray(args[0]), np.ascontiguousarray(args[1]), np.ascontiguousarray(args[2])
+        w = np.float64(args[i_w].item()) if damp != 0 else 0.0
+        G = np.ascontiguousarray(args[i_G]) if adjoint else A
+        _check_squares(func, A, Q, X0, G)
         m = A.shape[0]
-        if not _same_square(A.shape, Q.shape, X0.shape):
-            raise ValueError("lyapunov_fixed_point_loop: A, Q, X0 must all be (m, m) with the same m")
-        A_, Q_, X0_ = np.ascontiguousarray(A), np.ascontiguousarray(Q), np.ascontiguousarray(X0)
-        n = max(np.int64(n_steps.item()), 0)
-        cap = _trace_slots(n)
-        Xs, AXs = np.empty((cap, m, m), dtype=t), np.empty((cap, m, m), dtype=t)
-        Ps = np.empty((cap if damp != 0 else 1, m, m), dtype=t)  # undamped: one unused slot
-        copy_into(X0_, Xs[0])
-        k = 0
-        while True:  # the kernel runs until its buffers are full; here they grow as in _fixed_point_run
-            p_A = data_ptr(A_)  # stands in for the unused arguments
-            r = abi(p_A, data_ptr(Q_), p_A, p_A, p_A, p_A, p_A, p_A, data_ptr(Xs), data_ptr(AXs), data_ptr(Ps),
-                    m, Xs.shape[0], k, np.float64(tol.item()), n, stop, 2, damp, w)
-            keep_alive((A_, Q_, Xs, AXs, Ps))
-            k = r // 2
-            if r % 2 == 1:
-                break
-            Xs, AXs = _grow(Xs, n), _grow(AXs, n)
-            if damp != 0:
-                Ps = _grow(Ps, n)
-        return Xs[k].copy(), Xs[:k + 1], AXs[:k], Ps[:k if damp != 0 else 0]
+        out, w_bar, none = np.empty((3, m, m), dtype=t), np.zeros(1, dtype=t), np.empty((0, m, m), dtype=t)
+        if mode == 2:
+            tol, n = np.float64(args[3].item()), max(np.int64(args[4].item()), 0)
+            cap = _trace_slots(n)
+            Xs, AXs = np.empty((cap, m, m), dtype=t), np.empty((cap, m, m), dtype=t)
+            Ps = np.empty((cap if damp != 0 else 1, m, m), dtype=t)  # undamped: one unused slot
+            copy_into(X0, Xs[0])
+            k = 0
+            while True:  # the kernel runs until its buffers are full; here they grow as in _fixed_point_run
+                r = call(FixedPointArrays(A, Q, X0, G, out, w_bar, Xs, AXs, Ps),
+                         FixedPointControl(2, k, tol, n, stop, damp, w))
+                k = r // 2
+                if r % 2 == 1:
+                    break
+                Xs, AXs = _grow(Xs, n), _grow(AXs, n)
+                if damp != 0:
+                    Ps = _grow(Ps, n)
+            return Xs[k].copy(), Xs[:k + 1], AXs[:k], Ps[:k if damp != 0 else 0]
+        if mode == 3:
+            Xs, AXs, Ps = np.ascontiguousarray(args[3]), np.ascontiguousarray(args[4]), np.ascontiguousarray(args[5])
+            k = AXs.shape[0]
+            check_shape(func, "Xs", Xs, "(k + 1, m, m), k = len(AXs)", (k + 1, m, m))
+            check_shape(func, "AXs", AXs, "(k, m, m)", (k, m, m))
+            check_shape(func, "Ps", Ps, "(k or 0 undamped, m, m)", (k if damp != 0 else 0, m, m))
+            call(FixedPointArrays(A, Q, X0, G, out, w_bar, Xs, AXs, Ps if damp != 0 else AXs),
+                 FixedPointControl(3, k, 0.0, k, stop, damp, w))
+        else:
+            call(FixedPointArrays(A, Q, X0, G, out, w_bar, none, none, none),
+                 FixedPointControl(mode, 0, np.float64(args[3].item()), np.int64(args[4].item()), stop, damp, w))
+        if mode == 0:
+            return out[0]
+        if damp == 0:
+            return out[0], out[1], out[2]
+        wb = np.empty((), dtype=t)
+        wb[()] = w_bar[0]
+        return out[0], out[1], out[2], wb
 
-    @numba.njit
-    def run_from_trace(A, Q, X0, Xs, AXs, Ps, w, G):
-        m, k = A.shape[0], AXs.shape[0]
-        ok = _same_square(A.shape, Q.shape, X0.shape, G.shape, Xs.shape[1:], AXs.shape[1:], Ps.shape[1:])
-        if not (ok and Xs.shape[0] == k + 1 and Ps.shape[0] == (k if damp != 0 else 0)):
-            raise ValueError("LyapunovFixedPointTraceGrad: the trace does not match A (m, m) and the steps run")
-        A_, Q_, G_ = np.ascontiguousarray(A), np.ascontiguousarray(Q), np.ascontiguousarray(G)
-        Xs_, AXs_, Ps_ = np.ascontiguousarray(Xs), np.ascontiguousarray(AXs), np.ascontiguousarray(Ps)
-        out = np.empty((3, m, m), dtype=t)
-        w_bar = np.zeros((1,), dtype=t)
-        abi(data_ptr(A_), data_ptr(Q_), data_ptr(A_), data_ptr(G_),
-            data_ptr(out[0]), data_ptr(out[1]), data_ptr(out[2]), data_ptr(w_bar),
-            data_ptr(Xs_), data_ptr(AXs_), data_ptr(Ps_), m, 0, k, 0.0, k, stop, 3, damp, w)
-        keep_alive((A_, Q_, G_, Xs_, AXs_, Ps_, out, w_bar))
-        return out[0], out[1], out[2], w_bar
-
-    if trace and damp == 0:
-        @numba.njit
-        def traced(A, Q, X0, tol, n_steps):
-            return run_traced(A, Q, X0, tol, n_steps, 0.0)
-
-        @numba.njit
-        def from_trace(A, Q, X0, Xs, AXs, Ps, G):
-            a, q, x, _ = run_from_trace(A, Q, X0, Xs, AXs, Ps, 0.0, G)
-            return a, q, x
-
-        return from_trace if adjoint else traced
-    if trace:
-        @numba.njit
-        def traced(A, Q, X0, tol, n_steps, w):
-            return run_traced(A, Q, X0, tol, n_steps, np.float64(w.item()))
-
-        @numba.njit
-        def from_trace(A, Q, X0, Xs, AXs, Ps, w, G):
-            a, q, x, wb = run_from_trace(A, Q, X0, Xs, AXs, Ps, np.float64(w.item()), G)
-            w_bar = np.empty((), dtype=t)
-            w_bar[()] = wb[0]
-            return a, q, x, w_bar
-
-        return from_trace if adjoint else traced
-
-    if damp == 0:
-        @numba.njit
-        def forward(A, Q, X0, tol, n_steps):
-            return run(A, Q, X0, tol, n_steps, 0.0, X0)[0]  # X0 stands in for the unused cotangent
-
-        @numba.njit
-        def reverse(A, Q, X0, tol, n_steps, G):
-            a, q, x, _ = run(A, Q, X0, tol, n_steps, 0.0, G)
-            return a, q, x
-    else:
-        @numba.njit
-        def forward(A, Q, X0, tol, n_steps, w):
-            return run(A, Q, X0, tol, n_steps, np.float64(w.item()), X0)[0]
-
-        @numba.njit
-        def reverse(A, Q, X0, tol, n_steps, w, G):
-            a, q, x, wb = run(A, Q, X0, tol, n_steps, np.float64(w.item()), G)
-            w_bar = np.empty((), dtype=t)
-            w_bar[()] = wb[0]
-            return a, q, x, w_bar
-
-    return reverse if adjoint else forward
+    return fixed_point_fn
 
 
 def _control_inputs(tol, n_steps):

@@ -67,7 +67,7 @@ from iterops._fused import (
 )
 from iterops._implicit import implicit_pullback, implicit_pushforward
 from iterops._linalg_kernels import copy_into, mm, sym_inplace, sym_into
-from iterops._validate import as_tensor, check_dim_match, check_square, float_dtype
+from iterops._validate import as_tensor, check_dim_match, check_shape, check_square, float_dtype
 from iterops.linalg.lyapunov import _all_finite, _ct, solve_discrete_lyapunov
 
 __all__ = ["solve_discrete_are", "DiscreteARE", "dare_kernel"]
@@ -272,9 +272,11 @@ def _dare_entry(out_dtype: str, tol: float, max_iter: int):
 
     @numba.njit
     def solve(A, B, Q, R):
-        n, m = B.shape
-        if A.shape != (n, n) or Q.shape != (n, n) or R.shape != (m, m):
-            raise ValueError("solve_discrete_are: shapes must be A (n, n), B (n, m), Q (n, n), R (m, m)")
+        n, m = A.shape[0], R.shape[0]
+        check_shape("solve_discrete_are", "A", A, "(n, n), n = A.shape[0]", (n, n))
+        check_shape("solve_discrete_are", "B", B, "(n, m), n = A.shape[0], m = R.shape[0]", (n, m))
+        check_shape("solve_discrete_are", "Q", Q, "(n, n), n = A.shape[0]", (n, n))
+        check_shape("solve_discrete_are", "R", R, "(m, m), m = R.shape[0]", (m, m))
         A_ = np.ascontiguousarray(A.astype(np.float64))
         B_ = np.ascontiguousarray(B.astype(np.float64))
         Q_ = np.ascontiguousarray(Q.astype(np.float64))

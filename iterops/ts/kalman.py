@@ -1,5 +1,20 @@
 r"""Kalman filter: one fused Numba kernel forward, one fused Numba adjoint backward.
 
+Shapes: ``y`` (n, p), ``a0`` (m,), ``P0`` (m, m), ``c`` (m,), ``d`` (p,), ``T`` (m, m), ``Z`` (p, m),
+``R`` (m, r), ``H`` (p, p), ``Q`` (r, r) (a time-varying one: an extra axis of length n first).
+Failure value: ``loglik = -inf`` from the first step whose ``F[o, o]`` is not positive definite, NaN after.
+
+Code map, in reading order:
+
+* ``iterops/_linalg_kernels.py``: small dense-matrix helpers of every kernel;
+* ``iterops/ts/_kalman_steps.py``: the stages of one step, each followed by its reverse; ``System``, ``Options``;
+* ``iterops/ts/_kalman_filter.py``, ``_kalman_adjoint.py``, ``_kalman_diffuse.py``: the forward loop, the
+  reverse loop, the exact diffuse steps;
+* this module: the C-ABI kernels (arguments declared once as :class:`iterops._abi.Abi`, e.g. :data:`FILTER_ABI`),
+  the run-time shape checks (:func:`check_inputs`), the entry points, the Ops, :func:`kalman_filter`,
+  :func:`stationary_cov`;
+* ``iterops/ts/kalman_smoother.py``: :func:`iterops.ts.kalman_smoother`.
+
 Model (Durbin & Koopman 2012 notation, as statsmodels and pymc-extras use it)::
 
     y_t       = d_t + Z_t alpha_t + eps_t,      eps_t ~ N(0, H_t)
@@ -125,9 +140,8 @@ unchanged, on steps ``d..n-1`` from ``(a_d, P_d)``; its adjoint (:class:`KalmanF
 ordinary adjoint on the tail and reverses the diffuse steps by hand.  A model without ``diffuse`` compiles
 only the ordinary kernels.
 
-The kernels sit behind a C-ABI barrier (:class:`iterops._fused.OpaqueKernel`):
-they compile once per machine (about a minute, cached on disk) and a new graph
-that uses them compiles in about a second.
+The kernels sit behind a C-ABI barrier (:class:`iterops._fused.OpaqueKernel`): they compile once per
+machine (cached on disk) and a new graph compiles only its glue.
 
 Reference loop this replaces (what pymc-extras writes with ``pytensor.scan``)::
 
@@ -138,30 +152,10 @@ Reference loop this replaces (what pymc-extras writes with ``pytensor.scan``)::
         a_f = a + K @ v; P_f = A @ P @ A.T + K @ H @ K.T
         return a_f, P_f, T @ a_f + c, T @ P_f @ T.T + R @ Q @ R.T, ll
     outs, _ = pytensor.scan(step, sequences=[y], outputs_info=[None, None, a0, P0, None], ...)
-
-Where the code is, in reading order
------------------------------------
-``iterops/_linalg_kernels.py``
-    small dense-matrix helpers shared by every kernel (products, symmetric parts, Cholesky).
-``iterops/ts/_kalman_steps.py``
-    the stages of one step (observe, update, loglik, predict), each followed by its reverse;
-    the NamedTuples that group the kernels' arrays (``System``, ``Options``, work arrays).
-``iterops/ts/_kalman_filter.py``
-    the forward loop :func:`kalman_filter_kernel`, with the steady-state shortcut.
-``iterops/ts/_kalman_adjoint.py``
-    the reverse loop :func:`kalman_adjoint_kernel`, with the steady-stretch reverse.
-this module
-    the C-ABI entry points, the Ops :class:`KalmanFilter` and :class:`KalmanFilterGrad`,
-    validation, :func:`kalman_filter` and :func:`stationary_cov`.
-``iterops/ts/_kalman_diffuse.py``
-    the exact diffuse steps and their reverse (``diffuse=``).
-``iterops/ts/kalman_smoother.py``
-    :func:`iterops.ts.kalman_smoother`: kernel, entry point, Op, public function.
 """
 
 from __future__ import annotations
 
-from functools import wraps
 from typing import NamedTuple
 
 import numba
@@ -174,8 +168,9 @@ from pytensor.graph.rewriting.basic import copy_stack_trace, dfs_rewriter, node_
 from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.variable import TensorVariable
 
-from iterops._fused import F64P, FusedOp, data_ptr, entry_point, keep_alive, opaque_kernel, register_fused_op
-from iterops._validate import as_tensor, float_dtype
+from iterops._abi import SIGNATURE, Abi, Struct
+from iterops._fused import FusedOp, data_ptr, entry_point, keep_alive, opaque_kernel, register_fused_op
+from iterops._validate import as_tensor, check_shape, float_dtype
 from iterops.ts._kalman_adjoint import Cotangents, InputCotangents, kalman_adjoint_kernel
 from iterops.ts._kalman_diffuse import DiffuseOutputs, diffuse_adjoint, diffuse_filter, diffuse_outputs
 from iterops.ts._kalman_filter import FilterOutputs, filter_into, filter_outputs, kalman_filter_kernel
@@ -226,31 +221,69 @@ class KalmanFilterResult(NamedTuple):
 # C-ABI entry points (shared with the smoother)
 # ---------------------------------------------------------------------------
 
-I64 = numba.types.int64
-F64 = numba.types.float64
-I64P = numba.types.CPointer(I64)
 #: ``kalman_filter(univariate=...)`` -> the forward kernel's update mode (:mod:`iterops.ts._kalman_steps`)
 UPDATE_MODES = {False: MULTIVARIATE, "auto": AUTO, True: UNIVARIATE}
 
 
-@numba.njit(cache=True)
-def check_shapes(y, a0, P0, c, d, T, Z, R, H, Q, tv):
-    """Run-time shape check, True if inconsistent (the caller raises: a shape mismatch is a
-    programming error, not a sampler point)."""
-    n, p = y.shape
-    m = a0.shape[0]
-    r = Q.shape[1]
-    bad = P0.shape[0] != m or P0.shape[1] != m
-    bad |= c.shape[1] != m or d.shape[1] != p
-    bad |= T.shape[1] != m or T.shape[2] != m
-    bad |= Z.shape[1] != p or Z.shape[2] != m
-    bad |= R.shape[1] != m or R.shape[2] != r
-    bad |= H.shape[1] != p or H.shape[2] != p
-    bad |= Q.shape[2] != r
-    lens = (c.shape[0], d.shape[0], T.shape[0], Z.shape[0], R.shape[0], H.shape[0], Q.shape[0])
-    for i in range(7):
-        bad |= lens[i] != (n if tv[i] else 1)
-    return bad
+class Inputs(NamedTuple):
+    """The filter's inputs as its kernels take them (C-contiguous float64)."""
+
+    y: np.ndarray  #: (n, p)
+    a0: np.ndarray  #: (m,)
+    P0: np.ndarray  #: (m, m)
+    system: System  #: time axes of length 1 or n
+
+
+class Moments(NamedTuple):
+    """A state mean and covariance per step: the predictions (n + 1 rows), the smoothed moments (n rows)."""
+
+    state: np.ndarray  #: (rows, m)
+    cov: np.ndarray  #: (rows, m, m)
+
+
+class Mode(NamedTuple):
+    """How the forward kernel runs: the update mode (:data:`UPDATE_MODES`), whether ``F`` is needed."""
+
+    univariate: int
+    need_F: bool
+
+
+class DiffuseStart(NamedTuple):
+    """The diffuse filter's extra input and what it reports: ``status = [d, ok]`` (written)."""
+
+    P_inf: np.ndarray  #: (m, m)
+    status: np.ndarray  #: (2,) the first non-diffuse step d, 1.0 if no step failed
+
+
+class DiffuseCotangents(NamedTuple):
+    """Cotangents of the hand-off ``(a_d, P_d)`` (read) and of ``P_inf`` (written), and ``d``."""
+
+    a: np.ndarray  #: (m,)
+    P: np.ndarray  #: (m, m)
+    P_inf: np.ndarray  #: (m, m)
+    d: int
+
+
+SYSTEM = Struct(System, c=2, d=2, T=3, Z=3, R=3, H=3, Q=3)
+INPUTS = Struct(Inputs, y=2, a0=1, P0=2, system=SYSTEM)
+OPTIONS = Struct(Options, jitter="f", missing_value="f", use_missing_value="b")
+MOMENTS = Struct(Moments, state=2, cov=3)
+FILTER_OUTPUTS = Struct(FilterOutputs, loglik_obs=1, filtered_state=2, filtered_cov=3, predicted_state=2,
+                        predicted_cov=3, forecast_error=2, forecast_error_cov=3)
+COTANGENTS = Struct(Cotangents, loglik="f", **{k: v for k, v in FILTER_OUTPUTS.kinds.items()})
+INPUT_COTANGENTS = Struct(InputCotangents, y=2, a0=1, P0=2, system=SYSTEM)
+DIFFUSE_OUTPUTS = Struct(DiffuseOutputs, **FILTER_OUTPUTS.kinds, predicted_inf=3)
+
+#: the arguments of each C-ABI kernel below (every one has the signature :data:`iterops._abi.SIGNATURE`)
+FILTER_ABI = Abi(inputs=INPUTS, options=OPTIONS, mode=Struct(Mode, univariate="i", need_F="b"), out=FILTER_OUTPUTS)
+ADJOINT_ABI = Abi(inputs=INPUTS, options=OPTIONS, predicted=MOMENTS, cot=COTANGENTS, grad=INPUT_COTANGENTS)
+DIFFUSE_FILTER_ABI = Abi(inputs=INPUTS, options=OPTIONS, start=Struct(DiffuseStart, P_inf=2, status=1),
+                         out=DIFFUSE_OUTPUTS)
+DIFFUSE_ADJOINT_ABI = Abi(inputs=INPUTS, options=OPTIONS, tape=DIFFUSE_OUTPUTS, cot=COTANGENTS,
+                          hand_off=Struct(DiffuseCotangents, a=1, P=2, P_inf=2, d="i"), grad=INPUT_COTANGENTS)
+# the unpackers, as globals that jitted code can call
+_filter_args, _adjoint_args = FILTER_ABI.unpack, ADJOINT_ABI.unpack
+_diffuse_filter_args, _diffuse_adjoint_args = DIFFUSE_FILTER_ABI.unpack, DIFFUSE_ADJOINT_ABI.unpack
 
 
 @numba.njit(cache=True)
@@ -261,65 +294,101 @@ def contiguous(x):
 
 
 @numba.njit(cache=True)
-def input_sizes(y, a0, c, d, T, Z, R, H, Q):
-    """``(n, p, m, r, tc, td, tT, tZ, tR, tH, tQ)`` (``t*``: length of each system matrix's time
-    axis): the sizes a C-ABI entry point reads first from its ``sizes`` array."""
-    return (
-        y.shape[0], y.shape[1], a0.shape[0], Q.shape[1], c.shape[0], d.shape[0], T.shape[0], Z.shape[0],
-        R.shape[0], H.shape[0], Q.shape[0],
+def inputs_of(args):
+    """:class:`Inputs` of an entry point's leading ``(y, a0, P0, c, d, T, Z, R, H, Q)`` arguments."""
+    c = contiguous
+    return Inputs(c(args[0]), c(args[1]), c(args[2]), System(
+        c(args[3]), c(args[4]), c(args[5]), c(args[6]), c(args[7]), c(args[8]), c(args[9])))
+
+
+@numba.njit(cache=True)
+def check_inputs(func, x, tv):
+    """Raise ``ValueError`` naming the argument unless every shape matches ``y`` (n, p), ``a0`` (m,) and
+    ``Q`` (r, r), with a time axis of 1 or n (``tv``) on each system matrix: what the kernels rely on."""
+    n, p = x.y.shape
+    m, r = x.a0.shape[0], x.system.Q.shape[-1]
+    s = x.system
+    t = (n if tv[0] else 1, n if tv[1] else 1, n if tv[2] else 1, n if tv[3] else 1, n if tv[4] else 1,
+         n if tv[5] else 1, n if tv[6] else 1)
+    where = ", m = len(a0), p = y.shape[1], r = Q.shape[-1], t = n = len(y) if time-varying else 1"
+    check_shape(func, "P0", x.P0, "(m, m)" + where, (m, m))
+    check_shape(func, "c", s.c, "(t, m)" + where, (t[0], m))
+    check_shape(func, "d", s.d, "(t, p)" + where, (t[1], p))
+    check_shape(func, "T", s.T, "(t, m, m)" + where, (t[2], m, m))
+    check_shape(func, "Z", s.Z, "(t, p, m)" + where, (t[3], p, m))
+    check_shape(func, "R", s.R, "(t, m, r)" + where, (t[4], m, r))
+    check_shape(func, "H", s.H, "(t, p, p)" + where, (t[5], p, p))
+    check_shape(func, "Q", s.Q, "(t, r, r)" + where, (t[6], r, r))
+
+
+@numba.njit(cache=True)
+def _cotangent(func, name, g, want):
+    """A per-step cotangent checked against ``want`` (contiguous), or, disconnected (no rows), an empty one
+    of ``want``'s other dimensions."""
+    if g.shape[0] == 0:
+        return np.zeros((0,) + want[1:])
+    check_shape(func, name, g, "(rows of the output, ...)", want)
+    return contiguous(g)
+
+
+@numba.njit(cache=True)
+def cotangents_of(func, gll, g, x):
+    """:class:`Cotangents` of the per-step cotangents ``g`` (7 arrays, as :class:`FilterOutputs`) of a filter
+    on the :class:`Inputs` ``x``, checked."""
+    (n, p), m = x.y.shape, x.a0.shape[0]
+    return Cotangents(
+        gll[()], _cotangent(func, "loglik_obs cotangent", g[0], (n,)),
+        _cotangent(func, "filtered_state cotangent", g[1], (n, m)),
+        _cotangent(func, "filtered_cov cotangent", g[2], (n, m, m)),
+        _cotangent(func, "predicted_state cotangent", g[3], (n + 1, m)),
+        _cotangent(func, "predicted_cov cotangent", g[4], (n + 1, m, m)),
+        _cotangent(func, "forecast_error cotangent", g[5], (n, p)),
+        _cotangent(func, "forecast_error_cov cotangent", g[6], (n, p, p)),
     )
 
 
 @numba.njit(cache=True)
-def inputs_from_pointers(y, a0, P0, c, d, T, Z, R, H, Q, s):
-    """``(y, a0, P0, System)`` as arrays over C-ABI pointers, ``s`` = :func:`input_sizes`."""
-    n, p, m, r = s[0], s[1], s[2], s[3]
-    system = System(
-        numba.carray(c, (s[4], m)), numba.carray(d, (s[5], p)), numba.carray(T, (s[6], m, m)),
-        numba.carray(Z, (s[7], p, m)), numba.carray(R, (s[8], m, r)), numba.carray(H, (s[9], p, p)),
-        numba.carray(Q, (s[10], r, r)),
-    )
-    return numba.carray(y, (n, p)), numba.carray(a0, (m,)), numba.carray(P0, (m, m)), system
+def predictions_of(func, ap, Pp, x):
+    """The :class:`Moments` of the predictions ``(ap, Pp)`` a gradient Op gets, checked against ``x``."""
+    n, m = x.y.shape[0], x.a0.shape[0]
+    check_shape(func, "predicted_state", ap, "(n + 1, m)", (n + 1, m))
+    check_shape(func, "predicted_cov", Pp, "(n + 1, m, m)", (n + 1, m, m))
+    return Moments(contiguous(ap), contiguous(Pp))
 
 
-@opaque_kernel(F64(*([F64P] * 17), I64P, F64, F64, I64, I64, I64))
-def _filter_abi(y, a0, P0, c, d, T, Z, R, H, Q, llo, af, Pf, ap, Pp, v, F, sizes, jitter, mv, use_mv, univariate,
-                need_F):
-    """C-ABI barrier around :func:`iterops.ts._kalman_filter.filter_into` (C-contiguous float64
-    buffers, ``sizes`` = :func:`input_sizes`; see :class:`iterops._fused.OpaqueKernel` for why;
-    ``univariate``: the update mode, :data:`UPDATE_MODES`; ``need_F``: 0 when ``forecast_error_cov``
-    is not used).  Returns the log-likelihood."""
-    s = numba.carray(sizes, (11,))
-    n, p, m = s[0], s[1], s[2]
-    y_, a0_, P0_, system = inputs_from_pointers(y, a0, P0, c, d, T, Z, R, H, Q, s)
-    out = FilterOutputs(
-        numba.carray(llo, (n,)), numba.carray(af, (n, m)), numba.carray(Pf, (n, m, m)),
-        numba.carray(ap, (n + 1, m)), numba.carray(Pp, (n + 1, m, m)), numba.carray(v, (n, p)),
-        numba.carray(F, (n, p, p)),
+@numba.njit(cache=True)
+def input_cotangents_like(x, fill):
+    """:class:`InputCotangents` of the shapes of the :class:`Inputs` ``x``, every entry ``fill``."""
+    s = x.system
+    return InputCotangents(
+        np.full_like(x.y, fill), np.full_like(x.a0, fill), np.full_like(x.P0, fill), System(
+            np.full_like(s.c, fill), np.full_like(s.d, fill), np.full_like(s.T, fill), np.full_like(s.Z, fill),
+            np.full_like(s.R, fill), np.full_like(s.H, fill), np.full_like(s.Q, fill)),
     )
-    return filter_into(y_, a0_, P0_, system, Options(jitter, mv, use_mv != 0), out, univariate, need_F != 0)
 
 
-@opaque_kernel(numba.types.void(*([F64P] * 29), I64P, F64, F64, I64, F64))
-def _adjoint_abi(y, a0, P0, c, d, T, Z, R, H, Q, ap, Pp, gllo, gaf, gPf, gap, gPp, gv, gF,
-                 oy, oa0, oP0, oc, od, oT, oZ, oR, oH, oQ, sizes, jitter, mv, use_mv, gll):
-    """C-ABI barrier around :func:`iterops.ts._kalman_adjoint.kalman_adjoint_kernel`: inputs,
-    predictions, the cotangents of the per-step outputs (``g*``), the input cotangents to write
-    (``o*``); ``sizes`` = :func:`input_sizes`, then the number of rows of each per-step cotangent
-    (0: disconnected)."""
-    s = numba.carray(sizes, (18,))
-    n, p, m = s[0], s[1], s[2]
-    y_, _, _, system = inputs_from_pointers(y, a0, P0, c, d, T, Z, R, H, Q, s)
-    cot = Cotangents(
-        gll, numba.carray(gllo, (s[11],)), numba.carray(gaf, (s[12], m)), numba.carray(gPf, (s[13], m, m)),
-        numba.carray(gap, (s[14], m)), numba.carray(gPp, (s[15], m, m)), numba.carray(gv, (s[16], p)),
-        numba.carray(gF, (s[17], p, p)),
-    )
-    gy, ga0, gP0, gsys = inputs_from_pointers(oy, oa0, oP0, oc, od, oT, oZ, oR, oH, oQ, s)
-    kalman_adjoint_kernel(
-        y_, system, Options(jitter, mv, use_mv != 0), numba.carray(ap, (n + 1, m)), numba.carray(Pp, (n + 1, m, m)),
-        cot, InputCotangents(gy, ga0, gP0, gsys),
-    )
+@numba.njit(cache=True)
+def gradient_tuple(grad):
+    """The gradient Op's outputs ``(y, a0, P0, c, d, T, Z, R, H, Q)`` of an :class:`InputCotangents`."""
+    s = grad.system
+    return grad.y, grad.a0, grad.P0, s.c, s.d, s.T, s.Z, s.R, s.H, s.Q
+
+
+@opaque_kernel(SIGNATURE)
+def _filter_abi(ptrs, dims, vals):
+    """C-ABI barrier around :func:`iterops.ts._kalman_filter.filter_into` (arguments: :data:`FILTER_ABI`;
+    see :class:`iterops._fused.OpaqueKernel` for why).  Returns the log-likelihood."""
+    x, options, mode, out = _filter_args(ptrs, dims, vals)
+    return filter_into(x.y, x.a0, x.P0, x.system, options, out, mode.univariate, mode.need_F)
+
+
+@opaque_kernel(SIGNATURE)
+def _adjoint_abi(ptrs, dims, vals):
+    """C-ABI barrier around :func:`iterops.ts._kalman_adjoint.kalman_adjoint_kernel` (arguments:
+    :data:`ADJOINT_ABI`; ``grad`` written).  Returns 0."""
+    x, options, predicted, cot, grad = _adjoint_args(ptrs, dims, vals)
+    kalman_adjoint_kernel(x.y, x.system, options, predicted.state, predicted.cov, cot, grad)
+    return 0.0
 
 
 # a graph with the filter nearly always has its gradient too: on a first use both compile at once
@@ -328,61 +397,42 @@ _filter_abi.companions = ("iterops.ts.kalman._adjoint_abi",)
 
 @entry_point
 def _filter_entry(tv: tuple, jitter: float, mv: float, use_mv: bool, univariate="auto", forecast_cov: bool = True):
-    flag = int(use_mv)
-    mode = UPDATE_MODES[univariate]
-    need_F = int(forecast_cov)
-    abi = _filter_abi.external  # opaque call: a new graph does not recompile the kernel
+    update, need_F = UPDATE_MODES[univariate], bool(forecast_cov)
+    abi, pack = _filter_abi.external, FILTER_ABI.pack  # opaque call: a new graph does not recompile the kernel
 
     @numba.njit
-    def kalman_filter_fn(y, a0, P0, c, d, T, Z, R, H, Q):
-        if check_shapes(y, a0, P0, c, d, T, Z, R, H, Q, tv):
-            raise ValueError("kalman_filter: inconsistent input shapes at run time")
-        y_, a0_, P0_, c_, d_ = contiguous(y), contiguous(a0), contiguous(P0), contiguous(c), contiguous(d)
-        T_, Z_, R_, H_, Q_ = contiguous(T), contiguous(Z), contiguous(R), contiguous(H), contiguous(Q)
-        sizes = np.array(input_sizes(y_, a0_, c_, d_, T_, Z_, R_, H_, Q_))
-        llo, af, Pf, ap, Pp, v, F = filter_outputs(sizes[0], sizes[2], sizes[1])
-        ll = abi(
-            data_ptr(y_), data_ptr(a0_), data_ptr(P0_), data_ptr(c_), data_ptr(d_), data_ptr(T_), data_ptr(Z_),
-            data_ptr(R_), data_ptr(H_), data_ptr(Q_), data_ptr(llo), data_ptr(af), data_ptr(Pf), data_ptr(ap),
-            data_ptr(Pp), data_ptr(v), data_ptr(F), data_ptr(sizes), jitter, mv, flag, mode, need_F,
-        )
-        keep_alive((y_, a0_, P0_, c_, d_, T_, Z_, R_, H_, Q_, sizes))
+    def kalman_filter_fn(*args):
+        options, mode = Options(jitter, mv, use_mv), Mode(update, need_F)
+        x = inputs_of(args)
+        check_inputs("kalman_filter", x, tv)
+        (n, p), m = x.y.shape, x.a0.shape[0]
+        out = filter_outputs(n, m, p)
+        ptrs, dims, vals = pack(x, options, mode, out)
         total = np.empty((), dtype=np.float64)
-        total[()] = ll
-        return total, llo, af, Pf, ap, Pp, v, F
+        total[()] = abi(data_ptr(ptrs), data_ptr(dims), data_ptr(vals))
+        keep_alive((x, out, ptrs, dims, vals))
+        return (total, out.loglik_obs, out.filtered_state, out.filtered_cov, out.predicted_state, out.predicted_cov,
+                out.forecast_error, out.forecast_error_cov)
 
     return kalman_filter_fn
 
 
 @entry_point
 def _adjoint_entry(tv: tuple, jitter: float, mv: float, use_mv: bool):
-    flag = int(use_mv)
-    abi = _adjoint_abi.external
+    abi, pack = _adjoint_abi.external, ADJOINT_ABI.pack
 
     @numba.njit
-    def kalman_filter_grad_fn(y, a0, P0, c, d, T, Z, R, H, Q, ap, Pp, gll, gllo, gaf, gPf, gap, gPp, gv, gF):
-        if check_shapes(y, a0, P0, c, d, T, Z, R, H, Q, tv):
-            raise ValueError("kalman_filter gradient: inconsistent input shapes at run time")
-        y_, a0_, P0_, c_, d_ = contiguous(y), contiguous(a0), contiguous(P0), contiguous(c), contiguous(d)
-        T_, Z_, R_, H_, Q_ = contiguous(T), contiguous(Z), contiguous(R), contiguous(H), contiguous(Q)
-        ap_, Pp_ = contiguous(ap), contiguous(Pp)
-        g1, g2, g3, g4 = contiguous(gllo), contiguous(gaf), contiguous(gPf), contiguous(gap)
-        g5, g6, g7 = contiguous(gPp), contiguous(gv), contiguous(gF)
-        rows = (g1.shape[0], g2.shape[0], g3.shape[0], g4.shape[0], g5.shape[0], g6.shape[0], g7.shape[0])
-        sizes = np.array(input_sizes(y_, a0_, c_, d_, T_, Z_, R_, H_, Q_) + rows)
-        oy, oa0, oP0 = np.empty_like(y_), np.empty_like(a0_), np.empty_like(P0_)
-        oc, od, oT, oZ = np.empty_like(c_), np.empty_like(d_), np.empty_like(T_), np.empty_like(Z_)
-        oR, oH, oQ = np.empty_like(R_), np.empty_like(H_), np.empty_like(Q_)
-        abi(
-            data_ptr(y_), data_ptr(a0_), data_ptr(P0_), data_ptr(c_), data_ptr(d_), data_ptr(T_), data_ptr(Z_),
-            data_ptr(R_), data_ptr(H_), data_ptr(Q_), data_ptr(ap_), data_ptr(Pp_),
-            data_ptr(g1), data_ptr(g2), data_ptr(g3), data_ptr(g4), data_ptr(g5), data_ptr(g6), data_ptr(g7),
-            data_ptr(oy), data_ptr(oa0), data_ptr(oP0), data_ptr(oc), data_ptr(od), data_ptr(oT), data_ptr(oZ),
-            data_ptr(oR), data_ptr(oH), data_ptr(oQ), data_ptr(sizes), jitter, mv, flag, gll[()],
-        )
-        keep_alive((y_, a0_, P0_, c_, d_, T_, Z_, R_, H_, Q_, ap_, Pp_, sizes))
-        keep_alive((g1, g2, g3, g4, g5, g6, g7))
-        return oy, oa0, oP0, oc, od, oT, oZ, oR, oH, oQ
+    def kalman_filter_grad_fn(*args):
+        func, options = "kalman_filter gradient", Options(jitter, mv, use_mv)
+        x = inputs_of(args)
+        check_inputs(func, x, tv)
+        predicted = predictions_of(func, args[10], args[11], x)
+        cot = cotangents_of(func, args[12], args[13:], x)
+        grad = input_cotangents_like(x, 0.0)
+        ptrs, dims, vals = pack(x, options, predicted, cot, grad)
+        abi(data_ptr(ptrs), data_ptr(dims), data_ptr(vals))
+        keep_alive((x, predicted, cot, grad, ptrs, dims, vals))
+        return gradient_tuple(grad)
 
     return kalman_filter_grad_fn
 
@@ -393,12 +443,8 @@ def _adjoint_entry(tv: tuple, jitter: float, mv: float, use_mv: bool):
 
 
 def _props_common(tv, cov_jitter, missing_value):
-    return (
-        tuple(bool(x) for x in tv),
-        float(cov_jitter),
-        float("nan") if missing_value is None else float(missing_value),
-        missing_value is not None,
-    )
+    """The entry points' static arguments: ``(time_varying, jitter, missing_value or 0, use_missing_value)``."""
+    return tuple(bool(x) for x in tv), float(cov_jitter), missing_value or 0.0, missing_value is not None
 
 
 class KalmanOpBase(FusedOp):
@@ -411,7 +457,10 @@ class KalmanOpBase(FusedOp):
     def __init__(self, time_varying=(False,) * 7, cov_jitter=0.0, missing_value=None):
         self.time_varying = tuple(bool(x) for x in time_varying)
         self.cov_jitter = float(cov_jitter)
-        self.missing_value = None if missing_value is None else float(missing_value)
+        # NaN entries are always missing: a NaN ``missing_value`` is no extra sentinel (and a NaN prop
+        # would not equal itself)
+        mv = None if missing_value is None else float(missing_value)
+        self.missing_value = None if mv is None or np.isnan(mv) else mv
 
     def _entry_args(self):
         return _props_common(self.time_varying, self.cov_jitter, self.missing_value)
@@ -540,68 +589,23 @@ def _tail_or_empty(g, start):
     return g[start:] if g.shape[0] > 0 else g[0:]
 
 
-@numba.njit(cache=True)
-def _system_from_pointers(c, d, T, Z, R, H, Q, s):
-    """:class:`System` over C-ABI pointers, ``s`` = :func:`input_sizes`."""
-    p, m, r = s[1], s[2], s[3]
-    return System(
-        numba.carray(c, (s[4], m)), numba.carray(d, (s[5], p)), numba.carray(T, (s[6], m, m)),
-        numba.carray(Z, (s[7], p, m)), numba.carray(R, (s[8], m, r)), numba.carray(H, (s[9], p, p)),
-        numba.carray(Q, (s[10], r, r)),
-    )
-
-
-@numba.njit(cache=True)
-def _diffuse_from_pointers(llo, af, Pf, ap, Pp, v, F, Pi, n, m, p):
-    """:class:`iterops.ts._kalman_diffuse.DiffuseOutputs` over C-ABI pointers."""
-    return DiffuseOutputs(
-        numba.carray(llo, (n,)), numba.carray(af, (n, m)), numba.carray(Pf, (n, m, m)), numba.carray(ap, (n + 1, m)),
-        numba.carray(Pp, (n + 1, m, m)), numba.carray(v, (n, p)), numba.carray(F, (n, p, p)),
-        numba.carray(Pi, (n + 1, m, m)),
-    )
-
-
-@opaque_kernel(F64(*([F64P] * 19), I64P, F64, I64))
-def _diffuse_filter_abi(y, a0, P0, Pinf, c, d, T, Z, R, H, Q, llo, af, Pf, ap, Pp, v, F, Pi, sizes, mv, use_mv):
-    """C-ABI barrier around :func:`iterops.ts._kalman_diffuse.diffuse_filter` (a new graph does not
-    re-optimize the diffuse kernel).  ``sizes``: :func:`input_sizes`, then two slots the kernel writes: the
-    first non-diffuse step ``d`` and ``ok``.  Returns the log-likelihood of the diffuse steps."""
-    s = numba.carray(sizes, (13,))
-    n, p, m = s[0], s[1], s[2]
-    out = _diffuse_from_pointers(llo, af, Pf, ap, Pp, v, F, Pi, n, m, p)
-    ll, dd, ok = diffuse_filter(
-        numba.carray(y, (n, p)), numba.carray(a0, (m,)), numba.carray(P0, (m, m)), numba.carray(Pinf, (m, m)),
-        _system_from_pointers(c, d, T, Z, R, H, Q, s), Options(0.0, mv, use_mv != 0), out,
-    )
-    s[11] = dd
-    s[12] = 1 if ok else 0
+@opaque_kernel(SIGNATURE)
+def _diffuse_filter_abi(ptrs, dims, vals):
+    """C-ABI barrier around :func:`iterops.ts._kalman_diffuse.diffuse_filter` (arguments:
+    :data:`DIFFUSE_FILTER_ABI`; writes ``start.status``).  Returns the log-likelihood of the diffuse steps."""
+    x, options, start, out = _diffuse_filter_args(ptrs, dims, vals)
+    ll, dd, ok = diffuse_filter(x.y, x.a0, x.P0, start.P_inf, x.system, options, out)
+    start.status[0] = dd
+    start.status[1] = 1.0 if ok else 0.0
     return ll
 
 
-@opaque_kernel(F64(*([F64P] * 36), I64P, F64, I64, F64))
-def _diffuse_adjoint_abi(y, c, d, T, Z, R, H, Q, llo, af, Pf, ap, Pp, v, F, Pi, gllo, gaf, gPf, gap, gPp, gv, gF,
-                         a_bar, P_bar, oy, oa0, oP0, oc, od, oT, oZ, oR, oH, oQ, oPi, sizes, mv, use_mv, gll):
-    """C-ABI barrier around :func:`iterops.ts._kalman_diffuse.diffuse_adjoint`: inputs, the forward tape
-    (:class:`~iterops.ts._kalman_diffuse.DiffuseOutputs`), the output cotangents, the cotangents of
-    ``(a_d, P_d)``, the input cotangents to accumulate into (``oPi``: written).  ``sizes``:
-    :func:`input_sizes`, the rows of the 7 per-step cotangents (0: disconnected), ``d``.  Returns 0."""
-    s = numba.carray(sizes, (19,))
-    n, p, m = s[0], s[1], s[2]
-    system = _system_from_pointers(c, d, T, Z, R, H, Q, s)
-    tape = _diffuse_from_pointers(llo, af, Pf, ap, Pp, v, F, Pi, n, m, p)
-    cot = Cotangents(
-        gll, numba.carray(gllo, (s[11],)), numba.carray(gaf, (s[12], m)), numba.carray(gPf, (s[13], m, m)),
-        numba.carray(gap, (s[14], m)), numba.carray(gPp, (s[15], m, m)), numba.carray(gv, (s[16], p)),
-        numba.carray(gF, (s[17], p, p)),
-    )
-    grad = InputCotangents(
-        numba.carray(oy, (n, p)), numba.carray(oa0, (m,)), numba.carray(oP0, (m, m)),
-        _system_from_pointers(oc, od, oT, oZ, oR, oH, oQ, s),
-    )
-    numba.carray(oPi, (m, m))[:, :] = diffuse_adjoint(
-        numba.carray(y, (n, p)), system, Options(0.0, mv, use_mv != 0), tape, s[18], cot,
-        numba.carray(a_bar, (m,)), numba.carray(P_bar, (m, m)), grad,
-    )
+@opaque_kernel(SIGNATURE)
+def _diffuse_adjoint_abi(ptrs, dims, vals):
+    """C-ABI barrier around :func:`iterops.ts._kalman_diffuse.diffuse_adjoint` (arguments:
+    :data:`DIFFUSE_ADJOINT_ABI`: accumulates into ``grad``, writes ``hand_off.P_inf``).  Returns 0."""
+    x, options, tape, cot, hand, grad = _diffuse_adjoint_args(ptrs, dims, vals)
+    hand.P_inf[:, :] = diffuse_adjoint(x.y, x.system, options, tape, hand.d, cot, hand.a, hand.P, grad)
     return 0.0
 
 
@@ -609,27 +613,32 @@ def _diffuse_adjoint_abi(y, c, d, T, Z, R, H, Q, llo, af, Pf, ap, Pp, v, F, Pi, 
 _diffuse_filter_abi.companions = ("iterops.ts.kalman._diffuse_adjoint_abi", "iterops.ts.kalman._adjoint_abi")
 
 
-def _diffuse_runner(fabi, mv, flag):
-    """A jitted ``run(y, a0, P0, P_inf, c, d, T, Z, R, H, Q) -> (loglik, d, ok, DiffuseOutputs)``: the diffuse
-    steps through their C-ABI barrier ``fabi`` (:func:`_diffuse_filter_abi`)."""
+def _diffuse_runner(mv, use_mv):
+    """A jitted ``run(x, P_inf) -> (loglik, d, ok, DiffuseOutputs)`` for :class:`Inputs` ``x``: the diffuse
+    steps through their C-ABI barrier (:func:`_diffuse_filter_abi`)."""
+    abi, pack = _diffuse_filter_abi.external, DIFFUSE_FILTER_ABI.pack
 
     @numba.njit
-    def run(y_, a0_, P0_, Pi_, c_, d_, T_, Z_, R_, H_, Q_):
-        n, p = y_.shape
-        m = a0_.shape[0]
+    def run(x, P_inf):
+        (n, p), m = x.y.shape, x.a0.shape[0]
         out = diffuse_outputs(n, m, p)
-        sizes = np.array(input_sizes(y_, a0_, c_, d_, T_, Z_, R_, H_, Q_) + (0, 0))
-        ll = fabi(
-            data_ptr(y_), data_ptr(a0_), data_ptr(P0_), data_ptr(Pi_), data_ptr(c_), data_ptr(d_), data_ptr(T_),
-            data_ptr(Z_), data_ptr(R_), data_ptr(H_), data_ptr(Q_), data_ptr(out.loglik_obs),
-            data_ptr(out.filtered_state), data_ptr(out.filtered_cov), data_ptr(out.predicted_state),
-            data_ptr(out.predicted_cov), data_ptr(out.forecast_error), data_ptr(out.forecast_error_cov),
-            data_ptr(out.predicted_inf), data_ptr(sizes), mv, flag,
-        )
-        keep_alive((y_, a0_, P0_, Pi_, c_, d_, T_, Z_, R_, H_, Q_, sizes))
-        return ll, sizes[11], sizes[12] != 0, out
+        start = DiffuseStart(P_inf, np.zeros(2))
+        ptrs, dims, vals = pack(x, Options(0.0, mv, use_mv), start, out)
+        ll = abi(data_ptr(ptrs), data_ptr(dims), data_ptr(vals))
+        keep_alive((x, start, ptrs, dims, vals))
+        return ll, int(start.status[0]), start.status[1] != 0.0, out
 
     return run
+
+
+@numba.njit(cache=True)
+def _diffuse_inputs(func, args, tv):
+    """``(Inputs, P_inf)`` of the diffuse Ops' leading arguments ``(y, a0, P0, P_inf, c, ..., Q)``, checked."""
+    x = inputs_of((args[0], args[1], args[2]) + args[4:11])
+    check_inputs(func, x, tv)
+    m = x.a0.shape[0]
+    check_shape(func, "diffuse", args[3], "(m, m), m = len(a0)", (m, m))
+    return x, contiguous(args[3])
 
 
 @entry_point
@@ -638,23 +647,18 @@ def _diffuse_filter_entry(tv: tuple, mv: float, use_mv: bool):
     C-ABI barrier), then the ordinary filter's entry point (:func:`_filter_entry`, unchanged) on steps
     ``d..n-1`` from ``(a_d, P_d)``, its outputs copied into rows ``d:``."""
     filt = _filter_entry(tv, 0.0, mv, use_mv)
-    run = _diffuse_runner(_diffuse_filter_abi.external, mv, int(use_mv))
+    run = _diffuse_runner(mv, use_mv)
     f0, f1, f2, f3, f4, f5, f6 = tv
 
     @numba.njit
-    def kalman_filter_diffuse_fn(y, a0, P0, Pinf, c, d, T, Z, R, H, Q):
-        m = a0.shape[0]
-        if check_shapes(y, a0, P0, c, d, T, Z, R, H, Q, tv) or Pinf.shape[0] != m or Pinf.shape[1] != m:
-            raise ValueError("kalman_filter(diffuse=...): inconsistent input shapes at run time")
-        y_, a0_, P0_, Pi_ = contiguous(y), contiguous(a0), contiguous(P0), contiguous(Pinf)
-        c_, d_, T_, Z_ = contiguous(c), contiguous(d), contiguous(T), contiguous(Z)
-        R_, H_, Q_ = contiguous(R), contiguous(H), contiguous(Q)
-        n = y_.shape[0]
-        ll, dd, ok, out = run(y_, a0_, P0_, Pi_, c_, d_, T_, Z_, R_, H_, Q_)
+    def kalman_filter_diffuse_fn(*args):
+        x, P_inf = _diffuse_inputs("kalman_filter(diffuse=...)", args, tv)
+        s, n = x.system, x.y.shape[0]
+        ll, dd, ok, out = run(x, P_inf)
         if ok and dd < n:
             r = filt(
-                y_[dd:], out.predicted_state[dd], out.predicted_cov[dd], _tail(c_, dd, f0), _tail(d_, dd, f1),
-                _tail(T_, dd, f2), _tail(Z_, dd, f3), _tail(R_, dd, f4), _tail(H_, dd, f5), _tail(Q_, dd, f6),
+                x.y[dd:], out.predicted_state[dd], out.predicted_cov[dd], _tail(s.c, dd, f0), _tail(s.d, dd, f1),
+                _tail(s.T, dd, f2), _tail(s.Z, dd, f3), _tail(s.R, dd, f4), _tail(s.H, dd, f5), _tail(s.Q, dd, f6),
             )
             ll += r[0][()]
             out.loglik_obs[dd:] = r[1]
@@ -688,78 +692,61 @@ def _diffuse_adjoint_entry(tv: tuple, mv: float, use_mv: bool):
     ordinary adjoint's entry point (:func:`_adjoint_entry`) on steps ``d..n-1``, then reverses the diffuse
     steps (:func:`diffuse_adjoint`, behind its C-ABI barrier) from the cotangents of ``(a_d, P_d)``."""
     adj = _adjoint_entry(tv, 0.0, mv, use_mv)
-    run = _diffuse_runner(_diffuse_filter_abi.external, mv, int(use_mv))
-    babi = _diffuse_adjoint_abi.external
-    flag = int(use_mv)
+    run = _diffuse_runner(mv, use_mv)
+    abi, pack = _diffuse_adjoint_abi.external, DIFFUSE_ADJOINT_ABI.pack
     f0, f1, f2, f3, f4, f5, f6 = tv
 
     @numba.njit
-    def kalman_filter_diffuse_grad_fn(
-        y, a0, P0, Pinf, c, d, T, Z, R, H, Q, ap, Pp, gll, gllo, gaf, gPf, gap, gPp, gv, gF
-    ):
-        m = a0.shape[0]
-        if check_shapes(y, a0, P0, c, d, T, Z, R, H, Q, tv) or Pinf.shape[0] != m or Pinf.shape[1] != m:
-            raise ValueError("kalman_filter(diffuse=...) gradient: inconsistent input shapes at run time")
-        y_, a0_, P0_, Pi_ = contiguous(y), contiguous(a0), contiguous(P0), contiguous(Pinf)
-        c_, d_, T_, Z_ = contiguous(c), contiguous(d), contiguous(T), contiguous(Z)
-        R_, H_, Q_ = contiguous(R), contiguous(H), contiguous(Q)
-        ap_, Pp_ = contiguous(ap), contiguous(Pp)
-        g1, g2, g3, g4 = contiguous(gllo), contiguous(gaf), contiguous(gPf), contiguous(gap)
-        g5, g6, g7 = contiguous(gPp), contiguous(gv), contiguous(gF)
-        n = y_.shape[0]
-        _, dd, ok, tape = run(y_, a0_, P0_, Pi_, c_, d_, T_, Z_, R_, H_, Q_)
-        oy, oa0, oP0, oPi = np.zeros_like(y_), np.zeros_like(a0_), np.zeros_like(P0_), np.zeros_like(Pi_)
-        oc, od, oT, oZ = np.zeros_like(c_), np.zeros_like(d_), np.zeros_like(T_), np.zeros_like(Z_)
-        oR, oH, oQ = np.zeros_like(R_), np.zeros_like(H_), np.zeros_like(Q_)
+    def kalman_filter_diffuse_grad_fn(*args):
+        func = "kalman_filter(diffuse=...) gradient"
+        x, P_inf = _diffuse_inputs(func, args, tv)
+        predicted = predictions_of(func, args[11], args[12], x)
+        cot = cotangents_of(func, args[13], args[14:], x)
+        s, n, m = x.system, x.y.shape[0], x.a0.shape[0]
+        _, dd, ok, tape = run(x, P_inf)
+        grad = input_cotangents_like(x, 0.0 if ok else np.nan)  # failure: every cotangent NaN
+        P_inf_bar = np.full((m, m), 0.0 if ok else np.nan)
         if not ok:
-            for o in (oy, oP0, oPi, oc, od):
-                o[:] = np.nan
-            for o3 in (oT, oZ, oR, oH, oQ):
-                o3[:] = np.nan
-            oa0[:] = np.nan
-            return oy, oa0, oP0, oPi, oc, od, oT, oZ, oR, oH, oQ
+            return _with_p_inf(gradient_tuple(grad), P_inf_bar)
         a_bar, P_bar = np.zeros(m), np.zeros((m, m))
         if dd < n:
             r = adj(
-                y_[dd:], ap_[dd], Pp_[dd], _tail(c_, dd, f0), _tail(d_, dd, f1), _tail(T_, dd, f2),
-                _tail(Z_, dd, f3), _tail(R_, dd, f4), _tail(H_, dd, f5), _tail(Q_, dd, f6), ap_[dd:], Pp_[dd:],
-                gll, _tail_or_empty(g1, dd), _tail_or_empty(g2, dd), _tail_or_empty(g3, dd),
-                _tail_or_empty(g4, dd), _tail_or_empty(g5, dd), _tail_or_empty(g6, dd), _tail_or_empty(g7, dd),
+                x.y[dd:], predicted.state[dd], predicted.cov[dd], _tail(s.c, dd, f0), _tail(s.d, dd, f1),
+                _tail(s.T, dd, f2), _tail(s.Z, dd, f3), _tail(s.R, dd, f4), _tail(s.H, dd, f5), _tail(s.Q, dd, f6),
+                predicted.state[dd:], predicted.cov[dd:], args[13], _tail_or_empty(cot.loglik_obs, dd),
+                _tail_or_empty(cot.filtered_state, dd), _tail_or_empty(cot.filtered_cov, dd),
+                _tail_or_empty(cot.predicted_state, dd), _tail_or_empty(cot.predicted_cov, dd),
+                _tail_or_empty(cot.forecast_error, dd), _tail_or_empty(cot.forecast_error_cov, dd),
             )
-            oy[dd:] = r[0]
+            g = grad.system
+            grad.y[dd:] = r[0]
             a_bar[:] = r[1]
             P_bar[:, :] = r[2]
-            _tail(oc, dd, f0)[:] = r[3]
-            _tail(od, dd, f1)[:] = r[4]
-            _tail(oT, dd, f2)[:] = r[5]
-            _tail(oZ, dd, f3)[:] = r[6]
-            _tail(oR, dd, f4)[:] = r[7]
-            _tail(oH, dd, f5)[:] = r[8]
-            _tail(oQ, dd, f6)[:] = r[9]
+            _tail(g.c, dd, f0)[:] = r[3]
+            _tail(g.d, dd, f1)[:] = r[4]
+            _tail(g.T, dd, f2)[:] = r[5]
+            _tail(g.Z, dd, f3)[:] = r[6]
+            _tail(g.R, dd, f4)[:] = r[7]
+            _tail(g.H, dd, f5)[:] = r[8]
+            _tail(g.Q, dd, f6)[:] = r[9]
         else:
-            if g4.shape[0] > 0:
-                a_bar[:] = g4[n]
-            if g5.shape[0] > 0:
-                P_bar[:, :] = g5[n]
-        sizes = np.array(
-            input_sizes(y_, a0_, c_, d_, T_, Z_, R_, H_, Q_)
-            + (g1.shape[0], g2.shape[0], g3.shape[0], g4.shape[0], g5.shape[0], g6.shape[0], g7.shape[0], dd)
-        )
-        babi(
-            data_ptr(y_), data_ptr(c_), data_ptr(d_), data_ptr(T_), data_ptr(Z_), data_ptr(R_), data_ptr(H_),
-            data_ptr(Q_), data_ptr(tape.loglik_obs), data_ptr(tape.filtered_state), data_ptr(tape.filtered_cov),
-            data_ptr(tape.predicted_state), data_ptr(tape.predicted_cov), data_ptr(tape.forecast_error),
-            data_ptr(tape.forecast_error_cov), data_ptr(tape.predicted_inf), data_ptr(g1), data_ptr(g2),
-            data_ptr(g3), data_ptr(g4), data_ptr(g5), data_ptr(g6), data_ptr(g7), data_ptr(a_bar), data_ptr(P_bar),
-            data_ptr(oy), data_ptr(oa0), data_ptr(oP0), data_ptr(oc), data_ptr(od), data_ptr(oT), data_ptr(oZ),
-            data_ptr(oR), data_ptr(oH), data_ptr(oQ), data_ptr(oPi), data_ptr(sizes), mv, flag, gll[()],
-        )
-        keep_alive((y_, c_, d_, T_, Z_, R_, H_, Q_, sizes, a_bar, P_bar))
-        keep_alive((g1, g2, g3, g4, g5, g6, g7))
-        keep_alive(tape)
-        return oy, oa0, oP0, oPi, oc, od, oT, oZ, oR, oH, oQ
+            if cot.predicted_state.shape[0] > 0:
+                a_bar[:] = cot.predicted_state[n]
+            if cot.predicted_cov.shape[0] > 0:
+                P_bar[:, :] = cot.predicted_cov[n]
+        hand = DiffuseCotangents(a_bar, P_bar, P_inf_bar, dd)
+        ptrs, dims, vals = pack(x, Options(0.0, mv, use_mv), tape, cot, hand, grad)
+        abi(data_ptr(ptrs), data_ptr(dims), data_ptr(vals))
+        keep_alive((x, tape, cot, hand, grad, ptrs, dims, vals))
+        return _with_p_inf(gradient_tuple(grad), P_inf_bar)
 
     return kalman_filter_diffuse_grad_fn
+
+
+@numba.njit(cache=True)
+def _with_p_inf(g, P_inf_bar):
+    """The diffuse gradient Op's outputs: :func:`gradient_tuple` with ``P_inf``'s cotangent after ``P0``'s."""
+    return g[0], g[1], g[2], P_inf_bar, g[3], g[4], g[5], g[6], g[7], g[8], g[9]
 
 
 #: core signature of the diffuse Op's inputs: ``P_inf`` (m, m) after ``P0``
@@ -915,26 +902,6 @@ def apply_kalman_op(func, op_type, args, time_varying, cov_jitter, missing_value
     return outs
 
 
-def system_by_keyword(func):
-    """Decorator of the public Kalman functions: ``y, a0, P0`` positional, the system matrices by
-    keyword only.  A positional call of the system matrices raises a ``TypeError`` that says so
-    (swapping ``H`` and ``Q`` or ``c`` and ``d`` with matching shapes would otherwise give a
-    different log-likelihood without any error)."""
-
-    @wraps(func)
-    def call(*args, **kwargs):
-        if len(args) > 3:
-            raise TypeError(
-                f"{func.__name__}() takes y, a0, P0 positionally and the system matrices by keyword only: "
-                f"{func.__name__}(y, a0, P0, c=..., d=..., T=..., Z=..., R=..., H=..., Q=...); "
-                f"got {len(args)} positional arguments"
-            )
-        return func(*args, **kwargs)
-
-    return call
-
-
-@system_by_keyword
 def kalman_filter(
     y, a0, P0, *,
     c=None, d=None, T, Z, R, H, Q,

@@ -35,7 +35,8 @@ from pytensor.gradient import grad_not_implemented
 from pytensor.graph.basic import Apply
 from pytensor.tensor.variable import TensorVariable
 
-from iterops._fused import F64P, data_ptr, entry_point, keep_alive, opaque_kernel, register_fused_op
+from iterops._abi import SIGNATURE, Abi
+from iterops._fused import data_ptr, entry_point, keep_alive, opaque_kernel, register_fused_op
 from iterops._linalg_kernels import cho_inverse, copy_into, matmul, sym_inplace
 from iterops.ts._kalman_filter import kalman_filter_kernel
 from iterops.ts._kalman_steps import (
@@ -43,8 +44,7 @@ from iterops.ts._kalman_steps import (
     varies_over_time,
 )
 from iterops.ts.kalman import (
-    F64, I64, I64P, IN_SIG, KalmanOpBase, apply_kalman_op, check_shapes, contiguous, input_sizes,
-    inputs_from_pointers, system_by_keyword,
+    INPUTS, IN_SIG, MOMENTS, OPTIONS, KalmanOpBase, Moments, apply_kalman_op, check_inputs, inputs_of,
 )
 
 __all__ = ["kalman_smoother", "KalmanSmootherResult", "KalmanSmoother", "kalman_smoother_kernel"]
@@ -121,38 +121,35 @@ def kalman_smoother_kernel(y, a0, P0, system, options):
     return a_s, P_s
 
 
-@opaque_kernel(numba.types.void(*([F64P] * 12), I64P, F64, F64, I64))
-def _smoother_abi(y, a0, P0, c, d, T, Z, R, H, Q, oa, oP, sizes, jitter, mv, use_mv):
+#: the arguments of :func:`_smoother_abi`
+SMOOTHER_ABI = Abi(inputs=INPUTS, options=OPTIONS, out=MOMENTS)
+_smoother_args = SMOOTHER_ABI.unpack
+
+
+@opaque_kernel(SIGNATURE)
+def _smoother_abi(ptrs, dims, vals):
     """C-ABI barrier around :func:`kalman_smoother_kernel` (as the filter's, in :mod:`iterops.ts.kalman`)."""
-    s = numba.carray(sizes, (11,))
-    n, m = s[0], s[2]
-    y_, a0_, P0_, system = inputs_from_pointers(y, a0, P0, c, d, T, Z, R, H, Q, s)
-    a_s, P_s = kalman_smoother_kernel(y_, a0_, P0_, system, Options(jitter, mv, use_mv != 0))
-    copy_into(a_s, numba.carray(oa, (n, m)))
-    copy_into(P_s, numba.carray(oP, (n, m, m)))
+    x, options, out = _smoother_args(ptrs, dims, vals)
+    a_s, P_s = kalman_smoother_kernel(x.y, x.a0, x.P0, x.system, options)
+    copy_into(a_s, out.state)
+    copy_into(P_s, out.cov)
+    return 0.0
 
 
 @entry_point
 def _smoother_entry(tv: tuple, jitter: float, mv: float, use_mv: bool):
-    flag = int(use_mv)
-    abi = _smoother_abi.external
+    abi, pack = _smoother_abi.external, SMOOTHER_ABI.pack
 
     @numba.njit
-    def kalman_smoother_fn(y, a0, P0, c, d, T, Z, R, H, Q):
-        if check_shapes(y, a0, P0, c, d, T, Z, R, H, Q, tv):
-            raise ValueError("kalman_smoother: inconsistent input shapes at run time")
-        y_, a0_, P0_, c_, d_ = contiguous(y), contiguous(a0), contiguous(P0), contiguous(c), contiguous(d)
-        T_, Z_, R_, H_, Q_ = contiguous(T), contiguous(Z), contiguous(R), contiguous(H), contiguous(Q)
-        sizes = np.array(input_sizes(y_, a0_, c_, d_, T_, Z_, R_, H_, Q_))
-        a_s = np.empty((sizes[0], sizes[2]))
-        P_s = np.empty((sizes[0], sizes[2], sizes[2]))
-        abi(
-            data_ptr(y_), data_ptr(a0_), data_ptr(P0_), data_ptr(c_), data_ptr(d_), data_ptr(T_), data_ptr(Z_),
-            data_ptr(R_), data_ptr(H_), data_ptr(Q_), data_ptr(a_s), data_ptr(P_s),
-            data_ptr(sizes), jitter, mv, flag,
-        )
-        keep_alive((y_, a0_, P0_, c_, d_, T_, Z_, R_, H_, Q_, sizes))
-        return a_s, P_s
+    def kalman_smoother_fn(*args):
+        x = inputs_of(args)
+        check_inputs("kalman_smoother", x, tv)
+        n, m = x.y.shape[0], x.a0.shape[0]
+        out = Moments(np.empty((n, m)), np.empty((n, m, m)))
+        ptrs, dims, vals = pack(x, Options(jitter, mv, use_mv), out)
+        abi(data_ptr(ptrs), data_ptr(dims), data_ptr(vals))
+        keep_alive((x, out, ptrs, dims, vals))
+        return out.state, out.cov
 
     return kalman_smoother_fn
 
@@ -187,7 +184,6 @@ class KalmanSmoother(KalmanOpBase):
         ]
 
 
-@system_by_keyword
 def kalman_smoother(
     y, a0, P0, *,
     c=None, d=None, T, Z, R, H, Q,

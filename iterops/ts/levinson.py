@@ -17,9 +17,8 @@ autocorrelations ``kappa_k = phi_{k,k}``:
 One fused Numba kernel, batched over leading dimensions.
 
 Failure is a value: if ``gamma_0 <= 0``, the Toeplitz matrix ``Gamma_{p+1}`` is
-not positive definite (some ``v_k <= 0``, i.e. ``|kappa_k| >= 1``), an input is
-not finite, or ``acov`` is shorter than ``order + 1`` at run time, every
-output is NaN.
+not positive definite (some ``v_k <= 0``, i.e. ``|kappa_k| >= 1``) or an input is
+not finite, every output is NaN.  An ``acov`` shorter than ``order + 1`` raises ``ValueError``.
 
 Gradients (exact, composed from public functions so batching works):
 ``phi`` by the implicit function theorem on ``F(phi; gamma) = Gamma_p phi -
@@ -45,7 +44,7 @@ from pytensor.tensor.signal import convolve1d
 from pytensor.tensor.variable import TensorVariable
 
 from iterops._fused import FusedOp, apply_batched, entry_point, register_fused_op
-from iterops._validate import as_tensor, float_dtype
+from iterops._validate import as_tensor, check_at_least, float_dtype
 from iterops.ts.ar import _derivative, _static_int
 from iterops.ts.toeplitz import outer_diagonal_sums, solve_toeplitz, toeplitz_matrix
 
@@ -141,6 +140,7 @@ def _ld_entry(order: int, out_dtype: str):
 
     @numba.njit
     def run(acov):
+        check_at_least("levinson_durbin", "acov", acov, "(m,), m >= order + 1", order + 1)
         phi, v, pacf = levinson_durbin_kernel(np.ascontiguousarray(acov).astype(np.float64), order)
         return phi.astype(out), np.asarray(v).astype(out), pacf.astype(out)
 
@@ -291,7 +291,8 @@ def levinson_durbin(acov, order: int) -> LevinsonDurbinResult:
     acov : tensor (..., m)
         Autocovariances ``gamma_0, gamma_1, ...``; the first ``order + 1`` are used.
     order : int
-        Static AR order ``p >= 1``, at most ``m - 1`` (``ValueError`` otherwise).
+        Static AR order ``p >= 1``, at most ``m - 1`` (``ValueError`` otherwise: at graph build when
+        ``m`` is known, at run time otherwise).
 
     Returns
     -------
@@ -299,8 +300,8 @@ def levinson_durbin(acov, order: int) -> LevinsonDurbinResult:
         Equal to ``statsmodels.tsa.stattools.levinson_durbin(acov, nlags=p,
         isacov=True)``'s ``arcoefs``, ``sigma_v`` and ``pacf[1:]`` (statsmodels
         prepends the lag-0 value 1).  All NaN if ``gamma_0 <= 0``, the Toeplitz
-        matrix of ``gamma_0..gamma_p`` is not positive definite, an input is not
-        finite, or ``m < p + 1`` at run time.
+        matrix of ``gamma_0..gamma_p`` is not positive definite or an input is not
+        finite.
 
     Replaces the double loop (or a ``pytensor.scan`` over ``k``)::
 

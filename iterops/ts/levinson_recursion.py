@@ -65,7 +65,7 @@ from pytensor.graph.basic import Apply
 from pytensor.tensor.variable import TensorVariable
 
 from iterops._fused import FusedOp, apply_batched, entry_point, register_fused_op
-from iterops._validate import as_tensor, float_dtype
+from iterops._validate import as_tensor, check_at_least, check_shape, float_dtype
 from iterops.ts.ar import _static_int
 
 __all__ = [
@@ -253,6 +253,7 @@ def _recursion_entry(order: int, v_form: int, dtype: str):
 
     @numba.njit(error_model="numpy")
     def run(gamma):
+        check_at_least("levinson_recursion", "gamma", gamma, "(n,), n >= order + 1", order + 1)
         phi, v, kappa = levinson_recursion_kernel(np.ascontiguousarray(gamma).astype(work), order, v_form)
         return phi, np.asarray(v), kappa
 
@@ -299,6 +300,9 @@ def _vjp_entry(order: int, v_form: int, dtype: str):
 
     @numba.njit(error_model="numpy")
     def run(gamma, phi_bar, v_bar, kappa_bar):
+        check_at_least("levinson_recursion gradient", "gamma", gamma, "(n,), n >= order + 1", order + 1)
+        check_shape("levinson_recursion gradient", "phi_bar", phi_bar, "(order,)", (order,))
+        check_shape("levinson_recursion gradient", "kappa_bar", kappa_bar, "(order,)", (order,))
         return levinson_recursion_vjp_kernel(
             np.ascontiguousarray(gamma).astype(work),
             order,
@@ -362,8 +366,8 @@ def levinson_recursion(gamma, order: int, *, v_update: str = "square") -> Levins
         Autocovariance-like sequence ``gamma_0, gamma_1, ...``; the first ``order + 1`` entries are
         used.  float32 or float64 (the computation runs in this dtype); integers become floatX.
     order : int
-        Static number of steps ``p >= 1``; ``n >= p + 1`` is checked when ``n`` is known at graph
-        build (``ValueError``).
+        Static number of steps ``p >= 1``; ``n >= p + 1`` is checked at graph build when ``n`` is
+        known, at run time otherwise (``ValueError``).
     v_update : {"square", "minus", "factored"}
         How the loop spells the variance update: ``v * (1 - kappa**2)`` (default), ``v - kappa**2 * v``
         or ``v * (1 - kappa) * (1 + kappa)``.  The same value in exact arithmetic; the kernel runs the
@@ -380,7 +384,7 @@ def levinson_recursion(gamma, order: int, *, v_update: str = "square") -> Levins
 
     Failure behaviour: none, it is the loop's arithmetic.  A non-positive-definite ``gamma`` gives
     whatever the loop gives (finite numbers, or inf/NaN where some ``v`` is 0); non-finite inputs
-    propagate.  Only a ``gamma`` shorter than ``order + 1`` at run time gives all-NaN outputs.
+    propagate.  A ``gamma`` shorter than ``order + 1`` raises ``ValueError``, as the loop raises ``IndexError``.
 
     Gradient: the exact reverse-mode adjoint of the recursion (PyTensor's autodiff of the Scan, to
     rounding), for cotangents on any subset of the outputs, in a second fused kernel.  Batched over

@@ -57,7 +57,7 @@ from pytensor.tensor.signal import convolve1d
 from pytensor.tensor.variable import TensorVariable
 
 from iterops._fused import FusedOp, apply_batched, entry_point, register_fused_op
-from iterops._validate import as_tensor, check_dim_match, float_dtype
+from iterops._validate import as_tensor, check_dim_match, check_shape, float_dtype
 
 __all__ = ["solve_toeplitz", "SolveToeplitz", "levinson_kernel", "toeplitz_matrix", "outer_diagonal_sums"]
 
@@ -140,6 +140,9 @@ def _toeplitz_entry(out_dtype: str):
 
     @numba.njit
     def solve(c, r, b):
+        n = c.shape[0]
+        check_shape("solve_toeplitz", "r", r, "(n,), n = len(c)", (n,))
+        check_shape("solve_toeplitz", "b", b, "(n, k), n = len(c)", (n, -1))
         return levinson_kernel(
             np.ascontiguousarray(c).astype(np.float64),
             np.ascontiguousarray(r).astype(np.float64),

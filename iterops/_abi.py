@@ -1,0 +1,117 @@
+"""One C-ABI shape for the kernels behind an :class:`iterops._fused.OpaqueKernel`, generated from NamedTuples.
+
+A kernel takes NamedTuples of arrays (of one dtype, float64 by default) and scalars (``System``, ``FilterOutputs``, ``Cotangents``, ...).
+:class:`Struct` declares one (the NamedTuple and each field's kind: an array's ndim, ``"f"``/``"i"``/``"b"``
+for a float, int or bool scalar, or a nested :class:`Struct`).  :class:`Abi` lists a kernel's arguments and
+generates two jitted functions from them:
+
+* ``abi.pack(*args) -> (ptrs, dims, vals)`` on the caller's side: each array's address, its shape, each scalar;
+* ``abi.unpack(ptrs, dims, vals) -> args`` inside the kernel: the same NamedTuples, arrays rebuilt with
+  ``numba.carray``.
+
+Every such kernel has the one signature :data:`SIGNATURE`, ``float64(int64*, int64*, float64*)``.  A field added
+to a NamedTuple must be declared in its :class:`Struct` (a mismatch raises at import); it then crosses
+the barrier with no other change.  ``abi.source`` shows the generated code.  Shapes are checked by the
+caller before packing (:func:`iterops._validate.check_shape`): ``unpack`` trusts ``dims``.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba.extending import intrinsic
+
+__all__ = ["Struct", "Abi", "SIGNATURE", "address"]
+
+_I64P = numba.types.CPointer(numba.types.int64)
+_F64P = numba.types.CPointer(numba.types.float64)
+#: the C signature of every kernel built on :class:`Abi`: ``(ptrs, dims, vals) -> float64``
+SIGNATURE = numba.types.float64(_I64P, _I64P, _F64P)
+_SCALARS = {"f": "float({})", "i": "int({})", "b": "({} != 0.0)"}
+
+
+@intrinsic
+def address(typingctx, arr):
+    """The address of an array's data, as an int64 (keep the array alive past its use)."""
+    def codegen(context, builder, signature, args):
+        data = context.make_array(arr)(context, builder, value=args[0]).data
+        return builder.ptrtoint(data, context.get_value_type(numba.types.int64))
+
+    return numba.types.int64(arr), codegen
+
+
+def _pointer_at(dtype):
+    """An intrinsic ``f(addr)``: the ``dtype*`` at the int64 address ``addr`` (inverse of :func:`address`)."""
+    ptr = numba.types.CPointer(numba.from_dtype(np.dtype(dtype)))
+
+    @intrinsic
+    def pointer_at(typingctx, addr):
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+        return ptr(addr), codegen
+
+    return pointer_at
+
+
+class Struct:
+    """ABI declaration of a NamedTuple class: ``Struct(System, c=2, d=2, T=3, ...)`` (every field, in order)."""
+
+    def __init__(self, cls, **kinds):
+        if tuple(kinds) != tuple(cls._fields):
+            raise TypeError(f"Struct({cls.__name__}): declare every field in order, {cls._fields}; got {tuple(kinds)}")
+        self.cls, self.kinds = cls, kinds
+
+
+class Abi:
+    """A kernel's arguments: ``Abi(inputs=INPUTS, options=OPTIONS, out=OUTPUTS)`` (names are for reading);
+    ``dtype``: of every array (float64 unless given)."""
+
+    def __init__(self, dtype: str = "float64", **args: Struct):
+        self.args = args
+        self._np = self._nd = self._nv = 0
+        packs, unpacks = [], []
+        for name, struct in args.items():
+            unpacks.append(self._emit(struct, name, packs))
+        self.source = (
+            "def pack(" + ", ".join(args) + "):\n"
+            f"    ptrs = np.empty({max(self._np, 1)}, dtype=np.int64)\n"
+            f"    dims = np.empty({max(self._nd, 1)}, dtype=np.int64)\n"
+            f"    vals = np.empty({max(self._nv, 1)}, dtype=np.float64)\n"
+            + "".join(f"    {line}\n" for line in packs)
+            + "    return ptrs, dims, vals\n\n\n"
+            "def unpack(ptrs, dims, vals):\n"
+            "    return (\n" + "".join(f"        {u},\n" for u in unpacks) + "    )\n"
+        )
+        namespace = {"np": np, "numba": numba, "address": address, "pointer_at": _pointer_at(dtype)}
+        namespace |= {s.cls.__name__: s.cls for s in self._structs(args.values())}
+        exec(compile(self.source, f"<iterops._abi {', '.join(args)}>", "exec"), namespace)
+        self.pack = numba.njit(namespace["pack"])
+        self.unpack = numba.njit(namespace["unpack"])
+
+    def _structs(self, structs):
+        for s in structs:
+            yield s
+            yield from self._structs(k for k in s.kinds.values() if isinstance(k, Struct))
+
+    def _emit(self, struct: Struct, path: str, packs: list) -> str:
+        """Append the packing lines of ``path`` (a ``struct``) to ``packs``; return its unpacking expression."""
+        items = []
+        for field, kind in struct.kinds.items():
+            here = f"{path}.{field}"
+            if isinstance(kind, Struct):
+                items.append(self._emit(kind, here, packs))
+            elif kind in _SCALARS:
+                packs.append(f"vals[{self._nv}] = {here}")
+                items.append(_SCALARS[kind].format(f"vals[{self._nv}]"))
+                self._nv += 1
+            else:
+                packs.append(f"ptrs[{self._np}] = address({here})")
+                shape = []
+                for axis in range(kind):
+                    packs.append(f"dims[{self._nd}] = {here}.shape[{axis}]")
+                    shape.append(f"dims[{self._nd}]")
+                    self._nd += 1
+                items.append(f"numba.carray(pointer_at(ptrs[{self._np}]), ({', '.join(shape)},))")
+                self._np += 1
+        return f"{struct.cls.__name__}(" + ", ".join(items) + ")"
