@@ -150,9 +150,11 @@ def test_yule_walker_grad_matches_dense_solve(rng):
 def test_levinson_durbin_failure_is_nan():
     a = pt.vector("a")
     f = pytensor.function([a], list(levinson_durbin(a, 2)), mode=FAST)
-    for bad in ([0.0, 0.0, 0.0], [-1.0, 0.1, 0.0], [1.0, 2.0, 0.1], [1.0, 0.9, -0.9], [1.0, np.nan, 0.1], [1.0, 0.5]):
+    for bad in ([0.0, 0.0, 0.0], [-1.0, 0.1, 0.0], [1.0, 2.0, 0.1], [1.0, 0.9, -0.9], [1.0, np.nan, 0.1]):
         for out in f(np.array(bad)):
             assert np.all(np.isnan(out)), bad
+    with pytest.raises(ValueError, match=r"acov must have shape .* got acov with shape \(2,\)"):  # no AR(2)
+        f(np.array([1.0, 0.5]))
 
 
 def test_levinson_durbin_bad_input():

@@ -217,7 +217,7 @@ def test_kernels_in_bounds(tmp_path):
             "    assert np.all(np.isfinite(out)), case\n"
             "print('ok', len(t.CASES))\n")
     env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(tmp_path / "numba"),
-               PYTHONPATH=str(ROOT), PYTENSOR_FLAGS=f"compiledir={tmp_path / 'pytensor'}")
+               PYTHONPATH=str(ROOT), PYTENSOR_FLAGS=f"base_compiledir={tmp_path / 'pytensor'}")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("ok")
