@@ -5,33 +5,36 @@ reports a failed Cholesky factorisation; the user's loop reads the raw
 entries and may run on through an indefinite ``F``.  The two agree when the
 covariances are symmetric (and, for loops that never factorise, positive
 semi-definite), so the patterns ask :func:`is_symmetric` / :func:`is_psd` and
-keep the Scan without a proof.
+keep the Scan without a proof (contract: :mod:`iterops.fusion`, item 2).
 
-* **symmetric**: PyTensor's ``SYMMETRIC`` (``pytensor.assumptions``): what the
-  user declares with ``assume(x, symmetric=True)`` and what its rules infer,
-  plus the rules registered here: constants, writes on the diagonal of a
-  symmetric matrix (set or inc), iterops' ``block_diag`` and Lyapunov solution.
-* **positive semi-definite**: iterops' key ``positive_semidefinite``, not
-  PyTensor's ``positive_definite``, whose inferred rules are optimistic (``X X^T``
-  counts as definite; a Lyapunov solution counts as definite for any ``A``,
-  stable or not).  A *declared* ``positive_definite`` counts; inferred:
+* **symmetric**: PyTensor's ``SYMMETRIC`` (declared with ``assume(x,
+  symmetric=True)`` or inferred by its rules), or PSD below, or a symmetric
+  constant or 1 x 1 matrix.  Registered here on ``SYMMETRIC``: writes on the
+  diagonal of a symmetric matrix (set or inc), iterops' ``block_diag``, and
+  Lyapunov solutions (iterops' and PyTensor's) of a symmetric or PSD ``Q``.
+* **positive semi-definite**: iterops' key ``positive_semidefinite`` (PyTensor's
+  inferred ``positive_definite`` counts ``X X^T`` as definite and any Lyapunov
+  solution as definite).  Declared ``positive_definite`` counts; inferred:
 
-  ==============================================  =============================
+  ==============================================  ===============================
   constant                                        symmetric, eigenvalues >= 0
   ``eye``, ``diag(v)``, scalar fill ``c``           ``v >= 0``, ``c >= 0``
   ``X @ X.T``, ``X.T @ X``, ``M @ S @ M.T``          ``S`` PSD
+  ``r * q * r.T`` (``r`` a column)                 ``q >= 0``
   ``S1 + S2``, ``S1 * S2`` (Schur), ``c * S``, ``S / c``  operands PSD, scalars ``>= 0``
   ``inc_subtensor(S[:, :], W)``                     ``S`` and ``W`` PSD
-  diagonal write ``inc`` / ``set``                 ``S`` PSD / ``S`` PSD diagonal; values ``>= 0``
+  diagonal write: ``inc`` / ``set``                ``S`` PSD / PSD and diagonal; values ``>= 0``
   block diagonals, Kronecker products, transposes  blocks PSD
-  ==============================================  =============================
+  ==============================================  ===============================
 
-  A 1 x 1 matrix is PSD when its entry is provably ``>= 0``; non-negative
-  scalars (:func:`is_nonneg`): non-negative constants, even powers, ``abs``,
-  ``exp``, ``sqrt``, ``softplus``, ``sigmoid``, sums, products and maxima of them.
+  Not inferred: Lyapunov solutions (PSD only for a stable ``A``), inverses.
+  The key is iterops' own, so PyTensor's rewrites never act on these facts.
+* **non-negative** scalars (:func:`is_nonneg`): non-negative constants, even
+  powers, ``abs``, ``exp``, ``sqrt``, ``softplus``, ``sigmoid``, and sums,
+  products and maxima of non-negative values.
 
-Facts are asked on the graph of the matrix alone, so a promise read off a use
-(``solve(S, b, assume_a="pos")``) counts only inside that matrix's construction.
+Facts are inferred on the graph of the matrix alone, so a promise read off a
+use (``solve(S, b, assume_a="pos")``) counts only inside its construction.
 """
 
 from __future__ import annotations

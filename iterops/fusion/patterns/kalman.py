@@ -113,7 +113,10 @@ triangle and mirrors it (exactly symmetric), so results agree to rounding for
 well-conditioned ``F``.  The textbook loop has no missing-data handling: NaN
 observations make its log-likelihood and states NaN from that step on, and so
 does the replacement; its covariances stay finite, and so do the replacement's.
-``pm.logp(pm.MvNormal.dist(...))`` raises where ``F`` is not positive definite;
+Where ``F`` cannot be factorised (singular, NaN or inf in it) the loop's
+``inv(F)`` / ``solve(F, .)`` returns NaN (NUMBA) or raises (FAST_COMPILE); the
+replacement's log-likelihood is NaN there and its states NaN from then on, as
+the loop's.  ``pm.logp(pm.MvNormal.dist(...))`` raises where ``F`` is not positive definite;
 the replacement raises too (``ParameterValueError``) where the fused filter's
 Cholesky factor fails.  Spellings matched only when PyMC is already imported
 (matching never imports it).
