@@ -283,3 +283,45 @@ def test_last_reads_after_zero_steps_behave_like_the_loop(read):
                 f(a, q, k)
             continue
         np.testing.assert_allclose(f(a, q, k), want, rtol=1e-12)
+
+
+# 9. plain pytensor.grad of a loop of 0 steps -------------------------------------------------------------------------
+
+
+def _lyapunov_loop_of(kind, A, Q, X0, n):
+    if kind == "doubling":
+        return ref.doubling_loop(A, Q, 1e-12, n)
+    if kind == "damped":
+        return ref.damped_fixed_point_loop(A, Q, 0.6, X0, tol=1e-12, n_steps=n)
+    return ref.fixed_point_loop(A, Q, X0, tol=1e-12, n_steps=n)
+
+
+@pytest.mark.parametrize("kind", ["fixed_point", "damped", "doubling"])
+def test_plain_grad_of_a_zero_step_loop_raises_like_the_loop(kind):
+    """``pytensor.grad`` of ``Xs[-1]`` builds the cotangent ``inc_subtensor(zeros_like(Xs)[-1], g)``: with a
+    symbolic ``n_steps`` that is 0 at run time ``Xs`` has no row and the loop's gradient graph raises
+    ``IndexError`` (its value alone reads the start value); so must the fused gradient.  The loop and its
+    gradient Scan are still fused, and equal the loop for every other ``n_steps``."""
+    A, Q, X0, n = pt.matrix("A"), pt.matrix("Q"), pt.matrix("X0"), pt.iscalar("n")
+    out = _lyapunov_loop_of(kind, A, Q, X0, n)
+    wrt = [A, Q] if kind == "doubling" else [A, Q, X0]
+    cost = (out * pt.cos(0.3 * pt.arange(out.size)).reshape(out.shape)).sum()
+    grads = pytensor.grad(cost, wrt)
+    ins = [A, Q, X0, n]
+    f = pytensor.function(ins, [out, *grads], on_unused_input="ignore")
+    g = pytensor.function(ins, [out, *grads], mode=_SCAN_MODE, on_unused_input="ignore")
+    f_value = pytensor.function(ins, out, on_unused_input="ignore")
+    f_grad = pytensor.function(ins, grads, on_unused_input="ignore")  # without the forward value's own guards
+    g_value = pytensor.function(ins, out, mode=_SCAN_MODE, on_unused_input="ignore")
+    assert not _has_scan(f) and not _has_scan(f_grad), "the loop and its gradient Scan were expected to be fused"
+    a, q, x0 = np.array([[0.5, 0.1], [0.2, 0.3]]), np.array([[2.0, 0.5], [0.5, 1.0]]), np.eye(2)
+    for k in (1, 3, 5000):
+        _assert_same(f(a, q, x0, k), g(a, q, x0, k), rtol=1e-9, atol=1e-12)
+    # 0 steps: the value is the start value in both graphs, the gradient raises in both
+    np.testing.assert_array_equal(g_value(a, q, x0, 0), q if kind == "doubling" else x0)
+    np.testing.assert_array_equal(f_value(a, q, x0, 0), g_value(a, q, x0, 0))
+    for k in (0, -1):
+        for fn, which in ((g, "loop"), (f, "fused"), (f_grad, "fused")):
+            with pytest.raises(IndexError):
+                fn(a, q, x0, k)
+                pytest.fail(f"the {which} gradient does not raise at n_steps={k}")

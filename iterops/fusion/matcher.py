@@ -29,6 +29,7 @@ import numpy as np
 import pytensor.tensor as pt
 from pytensor.graph.basic import Variable
 from pytensor.graph.traversal import io_toposort
+from pytensor.raise_op import CheckAndRaise
 from pytensor.scan.utils import ScanArgs
 
 from iterops.fusion.canonical import (  # noqa: F401  (re-exported: the matcher's public names)
@@ -42,6 +43,11 @@ from iterops.fusion.canonical import (  # noqa: F401  (re-exported: the matcher'
 from iterops.fusion.registry import Pattern
 from iterops.fusion.unify import Reject, _const_equal, _describe, _is_constant, _ref_graph, _specialize, _unify_loop
 from iterops.fusion.uses import _has_clients, _uses, initial_value
+
+#: PyTensor's Scan raises on a negative ``n_steps``; the fused Ops would run 0 steps
+_NEGATIVE_STEPS = CheckAndRaise(IndexError, "Scan was asked to run for a negative number of steps")
+#: an index out of bounds when the loop ran too few steps (``out[-1:][0]`` after 0 steps, ...)
+_TOO_FEW_STEPS = CheckAndRaise(IndexError, "index out of bounds: the loop ran too few steps (e.g. 0)")
 
 __all__ = ["Match", "Reject", "match_scan", "constant_value", "provably_equal", "initial_value"]
 
@@ -73,6 +79,20 @@ class Match:
     def n_steps_value(self):
         """``n_steps`` as a Python int if constant, else None."""
         return constant_value(self.n_steps)
+
+    def require_steps(self, value, at_least=0):
+        """``value`` guarded to raise ``IndexError`` where the user's graph raises for its ``n_steps``.
+
+        Scan raises on ``n_steps < 0``; a read that needs ``at_least`` steps (an index out of bounds after
+        fewer) raises when ``n_steps < at_least``.  Checks a constant ``n_steps`` proves are left out.  For a
+        loop with a stop rule ``n_steps`` is only a bound: ``at_least`` > 1 is the caller's to prove.
+        """
+        c = self.n_steps_value()
+        if c is None or c < 0:  # a constant negative n_steps: the loop raises when it runs, and so must this
+            value = _NEGATIVE_STEPS(value, pt.ge(self.n_steps, 0))
+        if at_least > 0 and (c is None or c < at_least):
+            value = _TOO_FEW_STEPS(value, pt.ge(self.n_steps, at_least))
+        return value
 
 
 def match_scan(fgraph, node, patterns) -> tuple[Match | None, list[tuple[str, Reject]]]:

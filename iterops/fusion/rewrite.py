@@ -51,7 +51,6 @@ from contextlib import contextmanager
 import pytensor.tensor as pt
 from pytensor.compile import optdb
 from pytensor.configdefaults import config
-from pytensor.raise_op import CheckAndRaise
 from pytensor.graph.rewriting.basic import GraphRewriter, NodeRewriter, copy_stack_trace, dfs_rewriter
 from pytensor.scan.op import Scan
 
@@ -104,26 +103,15 @@ def _describe_scan(node) -> str:
     return f"Scan{{{name}}}" if name else "Scan"
 
 
-#: PyTensor's Scan raises on a negative ``n_steps``; the fused Ops would run 0 steps
-_NEGATIVE_STEPS = CheckAndRaise(IndexError, "Scan was asked to run for a negative number of steps")
-#: an index that is out of bounds when the loop ran 0 steps (e.g. ``out[-1:][0]``)
-_NO_STEP = CheckAndRaise(IndexError, "index out of bounds: the loop ran 0 steps")
-
-
 def _raise_as_the_loop(match, value, kind):
     """``value`` guarded so that the rewritten graph raises where the user's loop raises.
 
     Scan raises on ``n_steps < 0``.  A loop of 0 steps raises only where the
     user's index is out of bounds then (``"last_nonempty"`` uses):
     PyTensor reads ``out[-1]`` of an empty trace as the initial value, and so
-    do the replacements.  Checks that a constant ``n_steps`` proves are left out.
+    do the replacements.
     """
-    c = match.n_steps_value()
-    if c is None or c < 0:  # a constant negative n_steps: the loop raises when it runs, and so must this
-        value = _NEGATIVE_STEPS(value, pt.ge(match.n_steps, 0))
-    if kind == "last_nonempty" and (c is None or c < 1):
-        value = _NO_STEP(value, pt.ge(match.n_steps, 1))
-    return value
+    return match.require_steps(value, 1 if kind == "last_nonempty" else 0)
 
 
 def replacements_for(match) -> dict:
