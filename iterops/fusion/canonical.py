@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.compile.builders import OpFromGraph
+from pytensor.configdefaults import config
 from pytensor.graph.basic import Constant, Variable
 from pytensor.graph.fg import FunctionGraph
 from pytensor.graph.rewriting.utils import rewrite_graph
@@ -171,6 +172,11 @@ def _canonical_user_graph(node, lift=False) -> _UserGraph:
     and it can be bound to a non-sequence role of the reference; where the
     reference has no role, the unifier compares the constant itself.
     """
+    with config.change_flags(traceback__limit=0):  # private copies: no user needs their creation stack
+        return _canonical_user_graph_untraced(node, lift)
+
+
+def _canonical_user_graph_untraced(node, lift):
     op = node.op
     args = ScanArgs.from_node(node, clone=True)
     ins, outs, static = _erase_static_shapes(_inner_inputs(args), _inner_outputs(args))

@@ -23,13 +23,16 @@ importable from here: :func:`match_scan`, :class:`Match`, :class:`Reject`,
 
 from __future__ import annotations
 
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytensor.tensor as pt
+from pytensor.compile.builders import OpFromGraph
 from pytensor.graph.basic import Variable
 from pytensor.graph.traversal import io_toposort
 from pytensor.scan.utils import ScanArgs
+from pytensor.tensor.type import TensorType
 
 from iterops.fusion.canonical import (  # noqa: F401  (re-exported: the matcher's public names)
     _inner_inputs,
@@ -40,10 +43,10 @@ from iterops.fusion.canonical import (  # noqa: F401  (re-exported: the matcher'
     provably_equal,
 )
 from iterops.fusion.registry import Pattern
-from iterops.fusion.unify import Reject, _const_equal, _describe, _is_constant, _ref_graph, _specialize, _unify_loop
+from iterops.fusion.unify import Reject, _const_equal, _parse_step_return, _describe, _is_constant, _ref_graph, _specialize, _unify_loop
 from iterops.fusion.uses import _has_clients, _uses, initial_value
 
-__all__ = ["Match", "Reject", "match_scan", "constant_value", "provably_equal", "initial_value"]
+__all__ = ["Match", "Reject", "match_scan", "may_match", "inner_reject", "constant_value", "provably_equal", "initial_value"]
 
 
 @dataclass
@@ -79,17 +82,25 @@ def match_scan(fgraph, node, patterns) -> tuple[Match | None, list[tuple[str, Re
     """Match ``node`` against ``patterns``; returns (match or None, rejections).
 
     A step holding non-scalar constants is tried a second time with them
-    lifted to inputs (see :func:`_canonical_user_graph`).
+    lifted to inputs (see :func:`_canonical_user_graph`).  Patterns whose
+    step cannot match the inner graph at all (:func:`inner_reject`, cached per
+    Scan op) are rejected without looking at the outer graph.
     """
-    patterns = list(patterns)
-    user = _user_graph(node)
     best: dict = {}
+    candidates = []
+    for pattern in patterns:
+        why = inner_reject(node, pattern)
+        if why is None:
+            candidates.append(pattern)
+        else:
+            best[pattern.name] = why
     for lift in (False, True):
-        if lift:
-            if not user.liftable:
-                break
-            user = _user_graph(node, lift=True)
-        for pattern in patterns:
+        if not candidates:
+            break
+        user = _user_graph(node, lift=lift)
+        if lift and not user.liftable:
+            break
+        for pattern in candidates:
             try:
                 return _match_pattern(fgraph, node, user, pattern), []
             except Reject as err:
@@ -99,15 +110,161 @@ def match_scan(fgraph, node, patterns) -> tuple[Match | None, list[tuple[str, Re
     return None, rejections
 
 
+def may_match(node, patterns) -> bool:
+    """Whether the step of the Scan ``node`` can match one of ``patterns`` (the outer graph aside); cached per op.
+
+    False means no use of the loop's outputs can make it match: callers skip
+    every costlier step (rebuilding pullbacks to identify gradient Scans, ...).
+    """
+    return any(inner_reject(node, p) is None for p in patterns)
+
+
+#: id(Scan op) -> (op, {pattern name: Reject or None}); ops compare by their inner graphs, hence ids
+_INNER: OrderedDict = OrderedDict()
+
+
+def inner_reject(node, pattern: Pattern) -> Reject | None:
+    """Why no step of ``pattern`` can match ``node``'s inner graph whatever the outer graph, or None.
+
+    First what the Scan op says at no cost (:func:`_static_reject`); then the
+    step is unified with each variant (states and stop rule; per-step outputs
+    and outer uses are checked later by :func:`match_scan`).  Cached per
+    Scan op: PyTensor visits a Scan node many times and rebuilds nodes around
+    an unchanged op.
+    """
+    op = node.op
+    hit = _INNER.get(id(op))
+    if hit is None or hit[0] is not op:
+        hit = (op, {})
+        _INNER[id(op)] = hit
+        while len(_INNER) > 256:
+            _INNER.popitem(last=False)
+    cache = hit[1]
+    if pattern.name not in cache:
+        cache[pattern.name] = _static_reject(_signature(op), pattern) or _unify_reject(node, pattern)
+    return cache[pattern.name]
+
+
+@dataclass(frozen=True)
+class _Signature:
+    """What a Scan op says about its loop without canonicalizing its step."""
+
+    unsupported: str | None
+    dtype: str | None  # of the first float state, as the canonical graph's
+    state_ndims: tuple  # sorted ndims of the states (sit-sot and untraced)
+    as_while: bool  # the step returns ``until(...)``
+    n_seqs: int
+    op_names: frozenset  # class names of the step's Ops (core Ops of Blockwise, OpFromGraph inlined)
+
+
+def _signature(op) -> _Signature:
+    info = op.info
+    inputs = op.inner_inputs
+    unsupported = None
+    if info.n_mit_mot or info.n_mit_sot:
+        unsupported = "the loop has multi-tap (mit-sot/mit-mot) states"
+    elif op.truncate_gradient != -1:
+        unsupported = f"the loop truncates its gradient (truncate_gradient={op.truncate_gradient})"
+    elif any(not isinstance(v.type, TensorType) for v in inputs):
+        unsupported = "the loop carries non-tensor values (e.g. a random generator)"
+    start = info.n_seqs + sum(len(s) for s in info.mit_mot_in_slices) + sum(len(s) for s in info.mit_sot_in_slices)
+    states = inputs[start:start + info.n_sit_sot + info.n_untraced_sit_sot]
+    dtypes = [v.type.dtype for v in states if str(getattr(v.type, "dtype", "")).startswith("float")]
+    return _Signature(unsupported=unsupported, dtype=dtypes[0] if dtypes else None,
+                      state_ndims=tuple(sorted(getattr(v.type, "ndim", -1) for v in states)),
+                      n_seqs=info.n_seqs, as_while=info.as_while, op_names=_raw_op_names(op.inner_inputs, op.inner_outputs))
+
+
+def _raw_op_names(inputs, outputs) -> frozenset:
+    names = set()
+    for n in io_toposort(inputs, outputs):
+        core = getattr(n.op, "core_op", n.op)
+        names.add(type(core).__name__)
+        module = type(core).__module__
+        if not module.startswith("pytensor.") or module.startswith(_LINALG_MODULES):
+            names |= _MAY_BECOME
+        if isinstance(core, OpFromGraph):
+            names |= _raw_op_names(core.inner_inputs, core.inner_outputs)
+    return frozenset(names)
+
+
+_STOPS: dict = {}
+
+
+def _stop_rules(pattern: Pattern) -> frozenset:
+    """Whether the pattern's step variants end with ``until``: ``{True}``, ``{False}`` or both (built once)."""
+    if pattern.name not in _STOPS:
+        found = set()
+        for step in pattern.step:
+            ins = [pt.tensor(dtype=r.dtype or "float64", shape=(None,) * r.ndim, name=r.name)
+                   for r in (*pattern.sequences, *pattern.states, *pattern.non_sequences)]
+            try:
+                found.add(_parse_step_return(step(*ins))[1] is not None)
+            except Reject:  # the variant cannot be built here (e.g. needs a library not imported): both
+                found |= {True, False}
+        _STOPS[pattern.name] = frozenset(found)
+    return _STOPS[pattern.name]
+
+
+_LINALG_MODULES = ("pytensor.tensor.linalg", "pytensor.tensor.nlinalg", "pytensor.tensor.slinalg")
+
+
+def _static_reject(sig: _Signature, pattern: Pattern) -> Reject | None:
+    """The checks of :func:`_match_pattern` that the Scan op alone decides (the same messages)."""
+    if sig.unsupported:
+        return Reject(sig.unsupported, 0.0)
+    if sig.dtype not in ("float32", "float64"):
+        return Reject("the loop has no float32/float64 state", 0.0)
+    if len(sig.state_ndims) < len(pattern.states) or sig.n_seqs < len(pattern.sequences):
+        return Reject(f"needs {len(pattern.states)} state(s) and {len(pattern.sequences)} sequence(s), the loop "
+                      f"has {len(sig.state_ndims)} and {sig.n_seqs}", 0.0)
+    stops = _stop_rules(pattern)
+    if sig.as_while not in stops:
+        return (Reject("the loop has an until stop the pattern does not have", 0.5) if sig.as_while else
+                Reject("the loop has no convergence stop (until) where the pattern needs one", 0.5))
+    have = Counter(sig.state_ndims)
+    for ndim, k in Counter(r.ndim for r in pattern.states).items():
+        if have[ndim] < k:
+            return Reject(f"needs {k} state(s) of ndim {ndim}, the loop has {have[ndim]}", 0.0)
+    if pattern.needs_ops and not set(pattern.needs_ops) & sig.op_names and not sig.op_names & _MAY_BECOME:
+        return Reject(f"the step has none of the operations {', '.join(pattern.needs_ops)}", 0.0)
+    return None
+
+
+#: stands for an Op that ``canonicalize`` may turn into another linear-algebra Op (PyTensor's linalg rewrites
+#: only rewrite linalg Ops into one another) or that a user's rewrite may change: ``needs_ops`` is then checked on
+#: the canonical step
+_MAY_BECOME = frozenset({"<linalg or foreign Op>"})
+
+
+def _unify_reject(node, pattern: Pattern) -> Reject | None:
+    """Unification of the step alone (states, stop rule), unlifted and lifted constants; None if one unifies."""
+    worst = None
+    for lift in (False, True):
+        user = _user_graph(node, lift=lift)
+        if lift and not user.liftable:
+            break
+        if user.unsupported:
+            return Reject(user.unsupported, 0.0)
+        if pattern.needs_ops and not set(pattern.needs_ops) & _op_names(user):
+            err = Reject(f"the step has none of the operations {', '.join(pattern.needs_ops)}", 0.0)
+            worst = err if worst is None or err.score > worst.score else worst
+            continue
+        for variant in range(len(pattern.step)):
+            try:
+                ref = _ref_graph(pattern, variant, user.dtype)
+                next(_unify_loop(pattern, ref, user, ()))
+                return None
+            except Reject as err:
+                if worst is None or err.score > worst.score:
+                    worst = err
+            except StopIteration:  # pragma: no cover  (_unify_loop raises Reject when it yields nothing)
+                pass
+    return worst
+
+
 def _match_pattern(fgraph, node, user: _UserGraph, pattern: Pattern) -> Match:
-    if user.unsupported:
-        raise Reject(user.unsupported, 0.0)
-    if user.dtype is None or user.dtype not in ("float32", "float64"):
-        raise Reject("the loop has no float32/float64 state", 0.0)
-    if len(user.states) < len(pattern.states) or len(user.args.inner_in_seqs) < len(pattern.sequences):
-        raise Reject(
-            f"needs {len(pattern.states)} state(s) and {len(pattern.sequences)} sequence(s), the loop has "
-            f"{len(user.states)} and {len(user.args.inner_in_seqs)}", 0.0)
+    # the checks the Scan op and its step decide alone were made by :func:`inner_reject`
     used_outputs = [j for j, o in enumerate(user.outer_outputs) if _has_clients(fgraph, o)]
     if pattern.outputs and len(used_outputs) > len(pattern.outputs):
         raise Reject(f"the loop has {len(used_outputs)} used per-step outputs, the pattern at most "
