@@ -41,7 +41,7 @@ def machine_translation(dim=5, batch=80, steps=50):
         r, z = sigmoid(ri + h.dot(U)), sigmoid(zi + h.dot(V))
         return z * tanh(x + (r * h).dot(W)) + (1 - z) * h
 
-    h = pytensor.scan(step, sequences=[x, ri, zi], n_steps=steps, outputs_info=pt.alloc(0.0, batch, dim),
+    h = pytensor.scan(step, sequences=[x, ri, zi], n_steps=steps, outputs_info=pt.zeros((batch, dim), dtype="float64"),
                       name="fpass1", return_updates=False)
     vals = [rng.normal(size=(steps, batch, dim), scale=1e-4) for _ in range(3)]
     return [x, ri, zi], pytensor.grad(h[-1].sum(), [U, V, W]), vals
