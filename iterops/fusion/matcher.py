@@ -30,7 +30,7 @@ import numpy as np
 import pytensor.tensor as pt
 from pytensor.compile.builders import OpFromGraph
 from pytensor.graph.basic import Variable
-from pytensor.graph.traversal import io_toposort
+from pytensor.graph.traversal import ancestors, io_toposort
 from pytensor.scan.utils import ScanArgs
 from pytensor.tensor.type import TensorType
 
@@ -154,6 +154,7 @@ class _Signature:
     state_ndims: tuple  # sorted ndims of the states (sit-sot and untraced)
     as_while: bool  # the step returns ``until(...)``
     n_seqs: int
+    n_seqs_read: int  # sequences the state updates and the stop rule read
     op_names: frozenset  # class names of the step's Ops (core Ops of Blockwise, OpFromGraph inlined)
 
 
@@ -169,10 +170,16 @@ def _signature(op) -> _Signature:
         unsupported = "the loop carries non-tensor values (e.g. a random generator)"
     start = info.n_seqs + sum(len(s) for s in info.mit_mot_in_slices) + sum(len(s) for s in info.mit_sot_in_slices)
     states = inputs[start:start + info.n_sit_sot + info.n_untraced_sit_sot]
+    outs = op.inner_outputs
+    n_out_mm = sum(len(s) for s in info.mit_mot_out_slices)
+    updates = outs[n_out_mm + info.n_mit_sot:n_out_mm + info.n_mit_sot + info.n_sit_sot]
+    updates += outs[len(outs) - info.n_untraced_sit_sot - int(info.as_while):len(outs) - int(info.as_while)]
+    read = set(ancestors([*updates, *(outs[-1:] if info.as_while else [])], blockers=inputs))
+    n_seqs_read = sum(v in read for v in inputs[:info.n_seqs])
     dtypes = [v.type.dtype for v in states if str(getattr(v.type, "dtype", "")).startswith("float")]
     return _Signature(unsupported=unsupported, dtype=dtypes[0] if dtypes else None,
                       state_ndims=tuple(sorted(getattr(v.type, "ndim", -1) for v in states)),
-                      n_seqs=info.n_seqs, as_while=info.as_while, op_names=_raw_op_names(op.inner_inputs, op.inner_outputs))
+                      n_seqs=info.n_seqs, n_seqs_read=n_seqs_read, as_while=info.as_while, op_names=_raw_op_names(op.inner_inputs, op.inner_outputs))
 
 
 def _raw_op_names(inputs, outputs) -> frozenset:
@@ -218,6 +225,11 @@ def _static_reject(sig: _Signature, pattern: Pattern) -> Reject | None:
     if len(sig.state_ndims) < len(pattern.states) or sig.n_seqs < len(pattern.sequences):
         return Reject(f"needs {len(pattern.states)} state(s) and {len(pattern.sequences)} sequence(s), the loop "
                       f"has {len(sig.state_ndims)} and {sig.n_seqs}", 0.0)
+    # every input the step's updates read is bound to a role of the same kind (a time-varying matrix may be a
+    # sequence): more sequences read than the pattern can bind cannot unify
+    seq_roles = len(pattern.sequences) + sum(r.time_varying_ok for r in pattern.non_sequences)
+    if sig.n_seqs_read > seq_roles:
+        return Reject(f"the step's states read {sig.n_seqs_read} sequence(s), the pattern at most {seq_roles}", 0.0)
     stops = _stop_rules(pattern)
     if sig.as_while not in stops:
         return (Reject("the loop has an until stop the pattern does not have", 0.5) if sig.as_while else
