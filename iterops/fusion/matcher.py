@@ -1,7 +1,11 @@
 """A generic structural matcher of Scan inner graphs against reference steps.
 
 Nothing here knows a specific algorithm.  For a ``Scan`` node and a
-:class:`~iterops.fusion.registry.Pattern`, :func:`match_scan` runs three stages:
+:class:`~iterops.fusion.registry.Pattern`, :func:`match_scan` runs three stages,
+after a pre-check that costs nothing on the Scans no pattern can match
+(:func:`inner_reject`, cached per Scan op: what the op alone says -- multi-tap
+states, stop rule, state ndims, sequences read, Ops -- then stages 1-2 on the
+step alone):
 
 1. canonicalization (:mod:`iterops.fusion.canonical`): the user's inner graph
    and the pattern's reference step are rebuilt without static shapes, with
@@ -32,7 +36,6 @@ from pytensor.compile.builders import OpFromGraph
 from pytensor.graph.basic import Variable
 from pytensor.graph.traversal import ancestors, io_toposort
 from pytensor.scan.utils import ScanArgs
-from pytensor.tensor.type import TensorType
 
 from iterops.fusion.canonical import (  # noqa: F401  (re-exported: the matcher's public names)
     _inner_inputs,
@@ -41,6 +44,7 @@ from iterops.fusion.canonical import (  # noqa: F401  (re-exported: the matcher'
     _UserGraph,
     constant_value,
     provably_equal,
+    unsupported_loop,
 )
 from iterops.fusion.registry import Pattern
 from iterops.fusion.unify import Reject, _const_equal, _parse_step_return, _describe, _is_constant, _ref_graph, _specialize, _unify_loop
@@ -161,13 +165,6 @@ class _Signature:
 def _signature(op) -> _Signature:
     info = op.info
     inputs = op.inner_inputs
-    unsupported = None
-    if info.n_mit_mot or info.n_mit_sot:
-        unsupported = "the loop has multi-tap (mit-sot/mit-mot) states"
-    elif op.truncate_gradient != -1:
-        unsupported = f"the loop truncates its gradient (truncate_gradient={op.truncate_gradient})"
-    elif any(not isinstance(v.type, TensorType) for v in inputs):
-        unsupported = "the loop carries non-tensor values (e.g. a random generator)"
     start = info.n_seqs + sum(len(s) for s in info.mit_mot_in_slices) + sum(len(s) for s in info.mit_sot_in_slices)
     states = inputs[start:start + info.n_sit_sot + info.n_untraced_sit_sot]
     outs = op.inner_outputs
@@ -177,9 +174,10 @@ def _signature(op) -> _Signature:
     read = set(ancestors([*updates, *(outs[-1:] if info.as_while else [])], blockers=inputs))
     n_seqs_read = sum(v in read for v in inputs[:info.n_seqs])
     dtypes = [v.type.dtype for v in states if str(getattr(v.type, "dtype", "")).startswith("float")]
-    return _Signature(unsupported=unsupported, dtype=dtypes[0] if dtypes else None,
+    return _Signature(unsupported=unsupported_loop(op), dtype=dtypes[0] if dtypes else None,
                       state_ndims=tuple(sorted(getattr(v.type, "ndim", -1) for v in states)),
-                      n_seqs=info.n_seqs, n_seqs_read=n_seqs_read, as_while=info.as_while, op_names=_raw_op_names(op.inner_inputs, op.inner_outputs))
+                      n_seqs=info.n_seqs, n_seqs_read=n_seqs_read, as_while=info.as_while,
+                      op_names=_raw_op_names(inputs, outs))
 
 
 def _raw_op_names(inputs, outputs) -> frozenset:
