@@ -112,12 +112,11 @@ from iterops.fusion import patterns  # noqa: F401  (registers the patterns)
 from iterops.fusion.gradient import fuse_with_gradients
 from iterops.fusion.matcher import _inner_inputs, _inner_outputs, match_scan
 from iterops.fusion.registry import PATTERNS, Pattern, Role, register_pattern
-from iterops.fusion.rewrite import disabled, fuse_scan, is_enabled, register, replacements_for, set_enabled
+from iterops.fusion.rewrite import disabled, fuse_scan, is_enabled, replacements_for, set_enabled
 
 __all__ = ["fuse_loops", "explain", "Explanation", "PATTERNS", "Pattern", "Role", "register_pattern",
            "disabled", "set_enabled", "is_enabled"]
 
-register()
 
 
 def _fuse_fgraph(fgraph: FunctionGraph) -> None:

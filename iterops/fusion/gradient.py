@@ -70,7 +70,7 @@ from pytensor.tensor.elemwise import DimShuffle, Elemwise
 from pytensor.tensor.math import Sum
 from pytensor.tensor.subtensor import IncSubtensor, Subtensor, indices_from_subtensor
 
-from iterops.fusion.matcher import constant_value, initial_value, match_scan
+from iterops.fusion.matcher import constant_value, initial_value, inner_reject, match_scan, may_match
 from iterops.fusion.uses import _is_last_index
 from iterops.fusion.registry import PATTERNS
 
@@ -542,6 +542,9 @@ def fuse_with_gradients(fgraph, F, patterns=None) -> GradientPair | None:
     candidates = gradient_scans(fgraph, F)
     if not candidates:
         return None
+    if not may_match(F, patterns):  # before rebuilding any pullback: no use of F can make it match
+        rejections = sorted(((p.name, inner_reject(F, p)) for p in patterns), key=lambda pr: -pr[1].score)
+        return GradientPair(gradients=candidates, reason="its forward loop matches no pattern", rejections=rejections)
     pairs = []
     for G in candidates:
         found = identify(F, G)

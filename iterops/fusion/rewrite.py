@@ -1,6 +1,6 @@
 """The Scan-to-fused-Op rewrite and its registration with PyTensor.
 
-Registered (tag ``"iterops"``; ``mode.excluding("iterops")`` disables all):
+Registered by :mod:`iterops.rewrites` (tag ``"iterops"``; ``mode.excluding("iterops")`` disables all):
 
 * ``iterops_fuse_loops`` in ``optdb`` at position 0.04 (tags ``fast_run``,
   ``fast_compile``): before the Scan push-outs (0.05) rewrite the user's loop,
@@ -49,16 +49,15 @@ import logging
 from contextlib import contextmanager
 
 import pytensor.tensor as pt
-from pytensor.compile import optdb
 from pytensor.configdefaults import config
 from pytensor.graph.rewriting.basic import GraphRewriter, NodeRewriter, copy_stack_trace, dfs_rewriter
 from pytensor.scan.op import Scan
 
 from iterops.fusion.gradient import fuse_with_gradients
-from iterops.fusion.matcher import initial_value, match_scan
+from iterops.fusion.matcher import initial_value, match_scan, may_match
 from iterops.fusion.registry import PATTERNS
 
-__all__ = ["fuse_scan", "replacements_for", "disabled", "set_enabled", "is_enabled"]
+__all__ = ["fuse_scan", "FuseLoopsEverywhere", "replacements_for", "disabled", "set_enabled", "is_enabled"]
 
 _log = logging.getLogger("iterops.fusion")
 
@@ -185,6 +184,12 @@ class FuseScan(NodeRewriter):
         if not _ENABLED or not isinstance(node.op, Scan):
             return None
         try:
+            if not may_match(node, PATTERNS.values()):  # cached per Scan op: the usual answer, at no cost
+                return None
+        except Exception:  # a failed analysis must never break compilation
+            _log.debug("iterops fusion failed on %s", node, exc_info=True)
+            return None
+        try:
             pair = fuse_with_gradients(fgraph, node)
         except Exception as err:  # a failed match must never break compilation
             _log.debug("iterops gradient fusion failed on %s", node, exc_info=True)
@@ -248,11 +253,3 @@ class FuseLoopsEverywhere(GraphRewriter):
 
     def __str__(self):
         return "iterops_fuse_loops"
-
-
-def register():
-    """Register the rewrites with PyTensor's optimizer database (idempotent)."""
-    if "iterops_fuse_loops" in optdb.__db__:
-        return
-    optdb.register("iterops_fuse_loops", FuseLoopsEverywhere(), *_TAGS, position=0.04)
-    optdb["canonicalize"].register("iterops_fuse_loops", fuse_scan, *_TAGS)

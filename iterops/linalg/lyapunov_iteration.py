@@ -88,7 +88,6 @@ from numba import types
 from numba.extending import overload
 import pytensor.tensor as pt
 from pytensor.gradient import DisconnectedType, disconnected_type, grad_not_implemented
-from pytensor.compile import optdb
 from pytensor.graph.basic import Apply
 from pytensor.graph.rewriting.basic import copy_stack_trace, node_rewriter
 from pytensor.tensor.exceptions import ShapeError
@@ -932,7 +931,7 @@ def share_fixed_point_trace(fgraph, node):
     return {fwd.outputs[0]: X, **dict(zip(node.outputs, bars))}
 
 
-optdb["specialize"].register("iterops_share_fixed_point_trace", share_fixed_point_trace, "numba", "iterops")
+# registered in iterops.rewrites
 
 
 def _not_differentiable(op, inputs):

@@ -168,9 +168,8 @@ import numba
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.gradient import DisconnectedType, grad_not_implemented
-from pytensor.compile import optdb
 from pytensor.graph.basic import Apply, Constant, Variable
-from pytensor.graph.rewriting.basic import copy_stack_trace, dfs_rewriter, node_rewriter
+from pytensor.graph.rewriting.basic import copy_stack_trace, node_rewriter
 from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.variable import TensorVariable
 
@@ -517,10 +516,7 @@ def kalman_unused_forecast_cov(fgraph, node):
     return outs
 
 
-optdb.register(
-    "iterops_kalman_unused_forecast_cov", dfs_rewriter(kalman_unused_forecast_cov, ignore_newtrees=True),
-    "fast_run", "fast_compile", "iterops", position=49.0,
-)
+# registered in iterops.rewrites
 
 
 # ---------------------------------------------------------------------------
