@@ -178,3 +178,59 @@ def test_lyapunov_loop_second_derivative_raises_not_implemented():
 
     with pytest.raises(NotImplementedError, match=r"order 2.*smith_doubling_loop.*SmithDoublingLoopGrad.*A, Q"):
         _second_derivative(cost, 4)
+
+
+# ---------------------------------------------------------------------------
+# pymc-extras' Laplace family on a model whose likelihood is kalman_filter
+# ---------------------------------------------------------------------------
+
+
+def _ar2_noise_model(rng, n=60):
+    """README's model: a stationary AR(2) observed with noise, the filter as a CustomDist logp."""
+    import pymc as pm  # noqa: PLC0415
+
+    x = np.zeros(n + 50)
+    for t in range(2, n + 50):
+        x[t] = 0.6 * x[t - 1] - 0.3 * x[t - 2] + rng.normal()
+    y = x[50:] + 0.5 * rng.normal(size=n)
+
+    def logp(y, phi, sigma_x, sigma_y):
+        T = pt.stack([phi, pt.as_tensor([1.0, 0.0])])
+        R = pt.as_tensor([[1.0], [0.0]])
+        Q = pt.reshape(sigma_x**2, (1, 1))
+        P0 = iterops.solve_discrete_lyapunov(T, R @ Q @ R.T)
+        return ts.kalman_filter(y[:, None], pt.zeros(2), P0, T=T, Z=pt.as_tensor([[1.0, 0.0]]), R=R,
+                                H=pt.reshape(sigma_y**2, (1, 1)), Q=Q).loglik
+
+    with pm.Model() as model:
+        pacf = pm.Uniform("pacf", -1.0, 1.0, shape=2)
+        phi = pm.Deterministic("phi", ts.pacf_to_ar(pacf))
+        sigma_x = pm.HalfNormal("sigma_x", 2.0)
+        sigma_y = pm.HalfNormal("sigma_y", 2.0)
+        pm.CustomDist("y", phi, sigma_x, sigma_y, logp=logp, signature="(k),(),()->(n)", observed=y)
+    return model
+
+
+def test_pymc_extras_find_map_hessian_and_fit_laplace(rng):
+    import pymc as pm  # noqa: PLC0415
+    from pymc_extras.inference import find_MAP, fit_laplace  # noqa: PLC0415
+
+    model = _ar2_noise_model(rng)
+    kw = dict(model=model, progressbar=False, compile_kwargs={"mode": RUN}, random_seed=1)
+    idata = find_MAP(method="trust-ncg", compute_hessian=True, **kw)  # Hessian-vector products, exact
+    cov = idata.fit["covariance_matrix"].values
+    mean = idata.fit["mean_vector"].values
+    # oracle: central differences of the (fused, first-order) gradient of -logp at the MAP point
+    [neg_logp], flat = pm.pytensorf.join_nonshared_inputs(
+        model.initial_point(), [-model.logp(jacobian=False)], model.continuous_value_vars
+    )
+    H, fd = None, None
+    fg = pytensor.function([flat], pytensor.grad(neg_logp, flat), mode=RUN)
+    eps = 1e-5
+    fd = np.stack([(fg(mean + eps * e) - fg(mean - eps * e)) / (2 * eps) for e in np.eye(len(mean))], axis=1)
+    np.testing.assert_allclose(cov, np.linalg.inv(0.5 * (fd + fd.T)), rtol=1e-4, atol=1e-6)
+
+    laplace = fit_laplace(optimize_method="trust-ncg", draws=100, chains=1, optimizer_kwargs={}, **kw)
+    np.testing.assert_allclose(laplace.fit["covariance_matrix"].values, cov, rtol=1e-6)
+    phi = laplace.posterior["phi"].values
+    assert phi.shape[-1] == 2 and np.all(np.isfinite(phi))
