@@ -16,7 +16,7 @@ import pytest
 from pytensor.gradient import jacobian
 
 import iterops
-from conftest import SCAN_ORACLE, as_run_by_python, random_ar, random_pacf
+from conftest import SCAN_ORACLE, as_run_by_python, first_then_slow, random_ar, random_pacf
 from iterops import reference_loops as ref
 from iterops import ts
 
@@ -116,7 +116,7 @@ def _kalman(y, th, **kw):
 KALMAN_X0 = np.array([0.5, -0.2, 1.0, 0.5, 0.3, 0.8, 0.1, -0.2, 1.5])
 
 
-@pytest.mark.parametrize("options", [{}, {"cov_jitter": 1e-3, "missing_value": -9999.0, "univariate": True}])
+@pytest.mark.parametrize("options", first_then_slow([{}, {"cov_jitter": 1e-3, "missing_value": -9999.0, "univariate": True}]))
 def test_kalman_hessian_matches_finite_differences(rng, options):
     y = rng.normal(size=(12, 2))
     y[3, 0] = np.nan
@@ -185,8 +185,8 @@ def test_lyapunov_loop_second_derivative_raises_not_implemented():
 # ---------------------------------------------------------------------------
 
 
-def _ar2_noise_model(rng, n=60):
-    """README's model: a stationary AR(2) observed with noise, the filter as a CustomDist logp."""
+def _ar2_noise_model(rng, n=30):
+    """README's model: a stationary AR(2) observed with noise, the filter's log-likelihood a Potential."""
     import pymc as pm  # noqa: PLC0415
 
     x = np.zeros(n + 50)
@@ -207,10 +207,11 @@ def _ar2_noise_model(rng, n=60):
         phi = pm.Deterministic("phi", ts.pacf_to_ar(pacf))
         sigma_x = pm.HalfNormal("sigma_x", 2.0)
         sigma_y = pm.HalfNormal("sigma_y", 2.0)
-        pm.CustomDist("y", phi, sigma_x, sigma_y, logp=logp, signature="(k),(),()->(n)", observed=y)
+        pm.Potential("loglik", logp(pt.as_tensor(y), phi, sigma_x, sigma_y))
     return model
 
 
+@pytest.mark.slow  # minutes: trust-ncg runs many Hessian-vector products through the filter's Scan
 def test_pymc_extras_find_map_hessian_and_fit_laplace(rng):
     import pymc as pm  # noqa: PLC0415
     from pymc_extras.inference import find_MAP, fit_laplace  # noqa: PLC0415
@@ -224,13 +225,12 @@ def test_pymc_extras_find_map_hessian_and_fit_laplace(rng):
     [neg_logp], flat = pm.pytensorf.join_nonshared_inputs(
         model.initial_point(), [-model.logp(jacobian=False)], model.continuous_value_vars
     )
-    H, fd = None, None
     fg = pytensor.function([flat], pytensor.grad(neg_logp, flat), mode=RUN)
     eps = 1e-5
     fd = np.stack([(fg(mean + eps * e) - fg(mean - eps * e)) / (2 * eps) for e in np.eye(len(mean))], axis=1)
     np.testing.assert_allclose(cov, np.linalg.inv(0.5 * (fd + fd.T)), rtol=1e-4, atol=1e-6)
 
-    laplace = fit_laplace(optimize_method="trust-ncg", draws=100, chains=1, optimizer_kwargs={}, **kw)
+    laplace = fit_laplace(optimize_method="trust-ncg", draws=100, optimizer_kwargs={}, **kw)
     np.testing.assert_allclose(laplace.fit["covariance_matrix"].values, cov, rtol=1e-6)
     phi = laplace.posterior["phi"].values
     assert phi.shape[-1] == 2 and np.all(np.isfinite(phi))

@@ -479,8 +479,9 @@ class ARDerivative(FusedOp):
     ``fn`` in {"pacf_to_ar", "ar_to_pacf", "ar_to_acov"} (the latter with
     ``sigma2 = 1``), ``mode`` "vjp" (``v`` a cotangent of the output, returns
     ``J(x)^T v``) or "jvp" (``v`` a tangent of ``x``, returns ``J(x) v``).
-    Linear in ``v``: its derivative in ``v`` is the other mode.  Derivatives in
-    ``x`` (second derivatives of the map) are not implemented.
+    Linear in ``v``: its derivative in ``v`` is the other mode.  Its derivative in
+    ``x`` (second derivatives of the map): :func:`_second_order`, reverse mode; forward
+    mode of ``mode="jvp"`` in ``x`` raises ``NotImplementedError``.
     """
 
     __props__ = ("fn", "mode", "nlags")

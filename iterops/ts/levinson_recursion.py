@@ -394,7 +394,7 @@ def levinson_recursion(gamma, order: int, *, v_update: str = "square") -> Levins
 
     Gradient: the exact reverse-mode adjoint of the recursion (PyTensor's autodiff of the Scan, to
     rounding), for cotangents on any subset of the outputs, in a second fused kernel.  Batched over
-    leading dimensions.  No second derivatives, no forward mode.
+    leading dimensions.  Second derivatives through the loop itself (exact, not fused); no forward mode.
 
     Replicates the Scan::
 
