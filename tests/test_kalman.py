@@ -501,17 +501,6 @@ def test_smoother_gradient_raises():
         pytensor.grad(a_s.sum(), T)
 
 
-def test_second_derivative_raises():
-    rng = np.random.default_rng(0)
-    model = random_model(rng, 2, 1, 1, 4)
-    T = pt.matrix("T")
-    args = model_args(model)
-    args[5] = T
-    g = pytensor.grad(kf(args).loglik, T)
-    with pytest.raises(NullTypeGradError, match="second derivatives"):
-        pytensor.grad(g.sum(), T)
-
-
 @pytest.mark.parametrize(
     "change, match",
     [
