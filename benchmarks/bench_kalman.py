@@ -240,12 +240,13 @@ def _real_models(n):
     return out
 
 
-def _fused_fns(model, jitter):
+def _fused_fns(model, jitter, tv=()):
     from iterops.ts import kalman_filter
 
     ins = _inputs(model)
     y, a0, P0, c, d, T, Z, R, H, Q = ins
-    res = kalman_filter(y, a0, P0, c=c, d=d, T=T, Z=Z, R=R, H=H, Q=Q, cov_jitter=jitter, missing_value=-9999.0)
+    res = kalman_filter(y, a0, P0, c=c, d=d, T=T, Z=Z, R=R, H=H, Q=Q, cov_jitter=jitter, missing_value=-9999.0,
+                        time_varying=tv)
     fwd = pytensor.function(ins, [res.loglik, res.predicted_cov], trust_input=True)
     grad = pytensor.function(ins, [res.loglik, *pytensor.grad(res.loglik, ins[1:])], trust_input=True)
     return fwd, grad
@@ -502,7 +503,10 @@ def run_real_models(quick: bool = False) -> list[Section]:
             "loops (perf: 75% of samples in the compiled loops, 4.4% in BLAS including the dense `T` cotangent, "
             "3% malloc/free), so `T`'s dense cotangent is not the bound; 25x needs the update's reverse loops "
             "merged and the forward's stored update reused.  Since 2026-12-02 a reverse step no longer rebuilds "
-            "the steady-stretch cache (1.4-1.6x faster adjoint here) and thin products no longer go to BLAS.\n\n"
+            "the steady-stretch cache (1.4-1.6x faster adjoint here) and thin products no longer go to BLAS.  "
+            "Since 2026-12-03 a step with one observable (structural, SARIMAX) is a rank-one update without "
+            "Cholesky and its reverse has its loops merged; per-step figures against the cost model's floor, and "
+            "what bounds them now, in the section `Kalman filter: cost model`.\n\n"
             "Jitter 1e-8 against 0 (measured 2026-12-02, n=300, at load 3: 11 interleaved rounds, CPU time): f+g "
             "jitter / 0 = 0.98 (0.83-1.12) structural, 1.15 (1.12-1.81) SARIMAX, 1.04 (0.84-1.70) VAR, 1.07 "
             "(1.02-1.14) dense; the forward alone does the same work with and without jitter (wall-time medians "
@@ -634,12 +638,44 @@ def small_product_rate(m, how, min_time=0.2):
 
 
 def _cost_models(n):
-    """(label, model, n) of the cost model's cases: the real models' structural, SARIMAX and dense m=20
-    (:func:`_real_models`), a dynamic factor model with time-varying H (every step full) and a local level."""
-    out = [(label, model) for label, _, model in _real_models(n) if not label.startswith("VAR")]
-    out.append(("DFM m=3, p=12, H time-varying", _dfm(3, 12, n, tv_h=True)))
-    out.append(("local level", _model(1, 1, n)))
+    """(label, model, time-varying names) of the cost model's cases: the real models' structural, SARIMAX and
+    dense m=20 (:func:`_real_models`), a dynamic factor model with time-varying H (every step full) and a
+    local level."""
+    out = [(label, model, ()) for label, _, model in _real_models(n) if not label.startswith("VAR")]
+    out.append(("DFM m=3, p=12, H time-varying", _dfm(3, 12, n, tv_h=True), ("H",)))
+    out.append(("local level", _model(1, 1, n), ()))
     return out
+
+
+_COST_NOTES = (
+    "n={n}.  Multiply-adds per full step (`step_madds`: the forward's and the adjoint's arithmetic at "
+    "the model's sparsity, one triangle of each symmetric matrix, the dense cotangent of T included), "
+    "divided by the machine's small-product rate (`small_product_rate`: an (m, m) x (m, m) product into a "
+    "preallocated output at the model's m, process CPU time; at m = 1 the rate of m = 2) is the floor: "
+    "at BLAS's vectorised rate (every product dense and vectorised: not reachable by loops that index "
+    "their operands through lists of nonzeros) and at plain loops' rate (one multiply-add after the "
+    "other: the floor of a scalar loop over the nonzeros, the one the ratios use).  Arithmetic only: "
+    "the floor has no loads of the index lists, no tests, no output writes.  Per step: process "
+    "CPU time of `kalman_filter(..., cov_jitter=1e-8).loglik` (fwd) and of the loglik + gradient w.r.t. "
+    "every input (f+g) on the first `full steps` observations (no covariance frozen), less the same on "
+    "the first observation (the call's fixed cost), over `full steps` - 1; adjoint = f+g - fwd.  n/a "
+    "below 10 full steps.  Last row: one call of a local level at n=10 (the fixed cost of a call).\n\n"
+    "What bounds the structural forward at about 5x its loop floor (measured 2026-12-03 at load 10-13, "
+    "process CPU time, so absolute figures run high; before/after from the same script run alternately, "
+    "one process each): since 2026-12-03 a step with one observable is a rank-one update on P_t itself "
+    "(no Cholesky, no symmetrization, no copy) and the finiteness checks and the steady-state test ride "
+    "on the passes that write P_f and P' (forward 3.06 -> 1.30-1.66 us per full step; statsmodels / "
+    "forward in one process 0.85-0.90 -> 1.31-1.56, alternate runs); the adjoint reverses that update "
+    "in four merged passes instead of ten and the dense cotangent of T goes to BLAS without copies "
+    "(f+g 7.9 -> 4.5-6.8 us per full step).  What remains: (1) a per-step fixed cost of about 0.4 us "
+    "forward and 1.2 us adjoint, measured on the local level (m = 1: 10 and 17 multiply-adds per step "
+    "cost 0.43 and 1.18 us): each stage is a compiled function called with its arrays and work "
+    "NamedTuples flattened into about a hundred arguments, plus the step's views; (2) the loops over "
+    "lists of nonzeros load an index per multiply-add and run below the plain loops' rate; (3) passes "
+    "the floor does not count: both triangles of P_f and P' are stored (they are outputs), the sums "
+    "that say whether they are finite.  The adjoint's floor is dominated by the dense cotangent of T "
+    "(2 G T P_f, m^3 = 2197 of its 4086 multiply-adds, about 0.25 us by BLAS)."
+)
 
 
 def run_cost_model(quick: bool = False) -> list[Section]:
@@ -652,24 +688,10 @@ def run_cost_model(quick: bool = False) -> list[Section]:
             "rate BLAS, loops (G madd/s)", "fwd floor BLAS, loops (us)", "fwd per step (us)", "fwd / loop floor",
             "adjoint loop floor (us)", "adjoint per step (us)", "adjoint / loop floor", "f+g per step (us)",
         ],
-        notes=(
-            f"n={n}.  Multiply-adds per full step (`step_madds`: the forward's and the adjoint's arithmetic at "
-            "the model's sparsity, one triangle of each symmetric matrix, the dense cotangent of T included), "
-            "divided by the machine's small-product rate (`small_product_rate`: an (m, m) x (m, m) product into a "
-            "preallocated output at the model's m, process CPU time; at m = 1 the rate of m = 2) is the floor: "
-            "at BLAS's vectorised rate (every product dense and vectorised: not reachable by loops that index "
-            "their operands through lists of nonzeros) and at plain loops' rate (one multiply-add after the "
-            "other: the floor of a scalar loop over the nonzeros, the one the ratios use).  Arithmetic only: "
-            "the floor has no loads of the index lists, no tests, no output writes.  Per step: process "
-            "CPU time of `kalman_filter(..., cov_jitter=1e-8).loglik` (fwd) and of the loglik + gradient w.r.t. "
-            "every input (f+g) on the first `full steps` observations (no covariance frozen), less the same on "
-            "the first observation (the call's fixed cost), over `full steps` - 1; adjoint = f+g - fwd.  n/a "
-            "below 10 full steps (the local level's covariance freezes within a few steps: its cost is the "
-            "call's fixed part, in the last row)."
-        ),
+        notes=_COST_NOTES.format(n=n),
     )
-    for label, model in _cost_models(n):
-        fwd, grad = _fused_fns(model, 1e-8)
+    for label, model, tv in _cost_models(n):
+        fwd, grad = _fused_fns(model, 1e-8, tv)
         args = [model[k] for k in NAMES]
         m, p = model["T"].shape[0], model["y"].shape[1]
         n_full = n - _frozen_steps(fwd(*args)[1])
@@ -683,10 +705,10 @@ def run_cost_model(quick: bool = False) -> list[Section]:
         if n_full < 10:
             sec.rows.append([*cells, *[float("nan")] * 6])
             continue
-        heads = [dict(model, y=model["y"][:k]) for k in (1, n_full)]
+        heads = [dict(model, y=model["y"][:k], **{name: model[name][:k] for name in tv}) for k in (1, n_full)]
         t = {}
         for what in (0, 1):
-            th = [_cpu_time(_fused_fns(h, 1e-8)[what], [h[k] for k in NAMES], min_time) for h in heads]
+            th = [_cpu_time(_fused_fns(h, 1e-8, tv)[what], [h[k] for k in NAMES], min_time) for h in heads]
             t[what] = (th[1] - th[0]) / (n_full - 1)
         t_adj = t[1] - t[0]
         sec.rows.append([

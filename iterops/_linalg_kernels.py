@@ -32,8 +32,8 @@ import numpy as np
 from iterops._fused import data_ptr
 
 __all__ = [
-    "SMALL", "matmul", "mm", "congruence", "sym_inplace", "sym_into", "sym_finite", "cholesky", "cho_solve_vec", "cho_inverse",
-    "copy_into", "borrowed", "carve",
+    "SMALL", "matmul", "mm", "congruence", "sym_inplace", "sym_into", "sym_finite", "cholesky", "cho_solve_vec",
+    "cho_inverse", "copy_into", "borrowed", "carve",
 ]
 
 SMALL = 10  #: matrix products of more than SMALL**3 multiply-adds go to BLAS

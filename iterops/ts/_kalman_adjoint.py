@@ -6,6 +6,9 @@ Each step's forward quantities are recomputed from the stored predictions (``pre
 
     predict_vjp -> loglik_vjp -> update_vjp -> observe_vjp
 
+(one observable: the rank-one update and its merged reverse, :func:`~iterops.ts._kalman_steps.update_vjp_one`,
+recomputed in O(m nnz(Z) + m^2) per step)
+
 with the output cotangents of a step joining where their output is made.  Over a steady-state
 stretch the gain terms cancel (up to the covariance jitter's, which stay linear in the covariance
 cotangent) and the covariance cotangents of the whole stretch follow from one Lyapunov equation

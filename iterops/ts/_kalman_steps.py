@@ -29,6 +29,12 @@ so a step whose other operand (P_f, sym(P), G) or whose sparse intermediate prod
 non-finite entry takes the dense product: NaN and -inf propagate exactly as in the dense filter.
 The cotangent of T stays dense (an entry that is 0 at this draw may be a parameter).
 
+One observable (p = 1, the structural and SARIMAX models): :func:`update_one` is the update as a
+rank-one correction (no Cholesky, no copy, on P_t itself: every prediction after P0 is exactly
+symmetric), and :func:`update_vjp_one` its reverse with the loops merged (four passes over m x m
+instead of ten).  Whether P_t and P_f are finite (for the zero-skipping products) is carried from
+the pass that wrote them, and the steady-state test runs in the pass that writes P'.
+
 Arrays are grouped by role in NamedTuples: :class:`System` (the system matrices), :class:`Options`
 (jitter and missing-value convention), :class:`UpdateWork` (what the update computes and its
 reverse reuses), :class:`ReverseWork`.  A stage takes a work NamedTuple when it uses most of it
@@ -56,7 +62,8 @@ __all__ = [
     "LOG_2PI", "System", "Options", "UpdateWork", "update_work", "ReverseWork", "reverse_work", "Structure",
     "structure", "find_structure", "ti", "system_at",
     "static_cov", "varies_over_time", "static_rq", "missing", "fully_observed", "observe", "innovation",
-    "observe_vjp", "update_cov", "update_one", "update_vjp_one", "MULTIVARIATE", "AUTO", "UNIVARIATE", "prefers_univariate", "diagonal",
+    "observe_vjp", "update_cov", "update_one", "update_vjp_one", "MULTIVARIATE", "AUTO", "UNIVARIATE",
+    "prefers_univariate", "diagonal",
     "update_univariate", "update_mean", "update_vjp", "loglik", "loglik_vjp", "predict_mean", "rqr",
     "predict_cov", "predict_cov_vjp", "rq_vjp", "predict_vjp", "closed_loop",
 ]
