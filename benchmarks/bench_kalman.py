@@ -665,7 +665,7 @@ _COST_NOTES = (
     "one process each): since 2026-12-03 a step with one observable is a rank-one update on P_t itself "
     "(no Cholesky, no symmetrization, no copy) and the finiteness checks and the steady-state test ride "
     "on the passes that write P_f and P' (forward 3.06 -> 1.30-1.66 us per full step; statsmodels / "
-    "forward in one process 0.85-0.90 -> 1.31-1.56, alternate runs); the adjoint reverses that update "
+    "forward in one process 0.85-0.90 -> 1.17-1.56 in three alternate pairs of runs; f+g / statsmodels' forward 3.9-4.1 -> 2.5-2.7); the adjoint reverses that update "
     "in four merged passes instead of ten and the dense cotangent of T goes to BLAS without copies "
     "(f+g 7.9 -> 4.5-6.8 us per full step).  What remains: (1) a per-step fixed cost of about 0.4 us "
     "forward and 1.2 us adjoint, measured on the local level (m = 1: 10 and 17 multiply-adds per step "
