@@ -1,13 +1,14 @@
 """iterops: fused, exactly differentiable iterative algorithms for PyTensor and PyMC.
 
 Importing iterops registers every fused Op with PyTensor's Numba backend and
-the Scan rewrites (tag ``"iterops"``; ``mode.excluding("iterops")`` turns them
-off): the Scan -> fused Op replacement (:mod:`iterops.fusion`) and the
-gradient-Scan mit-mot -> sit-sot rewrite (:mod:`iterops.scan_grad`).
+every graph rewrite (:mod:`iterops.rewrites`, tag ``"iterops"``;
+``mode.excluding("iterops")`` turns them off): the Scan -> fused Op
+replacement (:mod:`iterops.fusion`), the gradient-Scan mit-mot -> sit-sot
+rewrite (:mod:`iterops.scan_grad`), and rewrites between fused Ops.
 """
 
-from iterops import _jax, linalg, scan_grad, ts  # noqa: F401  (scan_grad registers its rewrite)
-from iterops.fusion import disabled, explain, fuse_loops  # registers the Scan -> fused Op rewrites
+from iterops import _jax, linalg, rewrites, ts  # noqa: F401  (rewrites registers every graph rewrite)
+from iterops.fusion import disabled, explain, fuse_loops
 from iterops.linalg import block_diag, solve_discrete_lyapunov
 from iterops.loop import loop, taps
 from iterops.ts import (

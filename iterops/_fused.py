@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import inspect
 import logging
 import os
 import sys
@@ -443,9 +444,22 @@ def register_fused_op(op_type):
 
     @register_funcify_default_op_cache_key(op_type)
     def _numba_funcify(op, node=None, **kwargs):
-        return op.numba_fn(node), source_key
+        fn = op.numba_fn(node)
+        if node is not None and inspect.getfullargspec(fn.py_func).varargs is not None:
+            fn = _fixed_arity(fn, len(node.inputs))
+        return fn, source_key
 
     return op_type
+
+
+@cache
+def _fixed_arity(fn, n: int):
+    """``fn`` (a jitted ``def fn(*args)``) behind a jitted function of exactly ``n`` parameters: PyTensor's
+    Numba ``Blockwise`` calls the core function with one argument per input and checks its arity."""
+    names = ", ".join(f"x{i}" for i in range(n))
+    scope = {"inner": fn}
+    exec(f"def call({names}):\n    return inner({names})\n", scope)  # noqa: S102  (names are generated above)
+    return numba.njit(scope["call"])
 
 
 def entry_point(builder):

@@ -9,11 +9,13 @@ helper writes into a preallocated ``out`` so that a kernel's loop allocates noth
 * :func:`matmul` -- ``out = alpha X Y + beta out``; pass ``X.T`` / ``Y.T`` for products with a
   transposed operand (a transposed view costs nothing), ``beta = 1`` to accumulate;
   :func:`mm` is its allocating form, :func:`congruence` is ``X^T G X``;
-* :func:`sym_inplace`, :func:`sym_into` -- the symmetric part ``(X + X^T) / 2``;
+* :func:`sym_inplace`, :func:`sym_into`, :func:`sym_finite` -- the symmetric part ``(X + X^T) / 2``
+  (the last also says whether it is finite);
 * :func:`cholesky`, :func:`cho_solve_vec`, :func:`cho_inverse` -- a lower Cholesky factor that
   reports failure as a value, and solves with it;
 * :func:`copy_into` -- ``out[...] = src`` by loops;
-* :func:`borrowed` -- work arrays that cost nothing to pass to a function.
+* :func:`borrowed`, :func:`carve` -- work arrays that cost nothing to pass to a function (the latter
+  carved out of one allocation).
 
 Compile time: a kernel calls these helpers, and Numba links and re-optimizes each callee's code
 into every caller that is compiled on its own, so the helpers here are small leaves.  Kernels
@@ -30,8 +32,8 @@ import numpy as np
 from iterops._fused import data_ptr
 
 __all__ = [
-    "SMALL", "matmul", "mm", "congruence", "sym_inplace", "sym_into", "cholesky", "cho_solve_vec", "cho_inverse",
-    "copy_into", "borrowed",
+    "SMALL", "matmul", "mm", "congruence", "sym_inplace", "sym_into", "sym_finite", "cholesky", "cho_solve_vec",
+    "cho_inverse", "copy_into", "borrowed", "carve",
 ]
 
 SMALL = 10  #: matrix products of more than SMALL**3 multiply-adds go to BLAS
@@ -96,6 +98,22 @@ def sym_into(X, out):
 
 
 @numba.njit(cache=True)
+def sym_finite(X, out):
+    """out = (X + X^T) / 2 for a square X (as :func:`sym_into`); returns True when every entry is
+    finite (the sum of one triangle is; an overflowing sum says False)."""
+    total = 0.0
+    for i in range(X.shape[0]):
+        row = 0.0  # the sum by rows: short dependency chains
+        for j in range(i, X.shape[0]):
+            s = 0.5 * (X[i, j] + X[j, i])
+            out[i, j] = s
+            out[j, i] = s
+            row += s
+        total += row
+    return np.isfinite(total)
+
+
+@numba.njit(cache=True)
 def cholesky(F, L, k):
     """Lower Cholesky of ``F[:k, :k]`` into ``L[:k, :k]`` (``L`` may be ``F``); False if not PD / not finite."""
     for j in range(k):
@@ -157,6 +175,14 @@ def borrowed(a):
     return numba.carray(data_ptr(a), a.shape)
 
 
+@numba.njit(cache=True, inline="always")
+def carve(buf, start, shape):
+    """A :func:`borrowed` array of ``shape`` over ``buf[start:]`` (``buf`` 1-d, C-contiguous): work arrays
+    carved out of one allocation (one ``malloc`` per kernel call instead of one per array; the caller keeps
+    ``buf`` alive past the last use)."""
+    return numba.carray(data_ptr(buf[start:]), shape)
+
+
 # ---------------------------------------------------------------------------
 # Structured (sparse) products: skip the zero entries of a factor (shift, companion and identity
 # blocks of a state-space model); the caller decides the exact fallback to the dense product.
@@ -198,14 +224,16 @@ def spmm(X, idx, Y, out, alpha=1.0, beta=0.0):
     total = 0.0
     for i in range(X.shape[0]):
         c = idx[i, 0]
+        row = 0.0  # the sum by rows: short dependency chains
         for j in range(Y.shape[1]):
             s = 0.0
             for q in range(1, c + 1):
                 l = idx[i, q]
                 s += X[i, l] * Y[l, j]
             s *= alpha
-            total += s
+            row += s
             out[i, j] = s + (beta * out[i, j] if beta != 0.0 else 0.0)
+        total += row
     return total
 
 

@@ -46,7 +46,7 @@ Scan buffer built from the seed row alone (``AllocEmpty`` + row 0, see
 :func:`row_value`), so the zero tape is never allocated; if the seed row cannot
 be expressed without the tape, the tape itself is the initial buffer.
 
-Registration: ``optdb`` position 1.59 (after ``stabilize`` at 1.5, before
+Registration (in :mod:`iterops.rewrites`): ``optdb`` position 1.59 (after ``stabilize`` at 1.5, before
 ``scan_eqopt2`` at 1.6 and the memory rewrites at 1.605-1.62), tags
 ``fast_run``, ``scan`` and ``iterops``; ``mode.excluding("iterops")`` turns it
 off.  Scans' inner graphs are compiled with the same optimizer, so gradient
@@ -59,10 +59,9 @@ from collections import Counter
 
 import numpy as np
 import pytensor.tensor as pt
-from pytensor.compile import optdb
 from pytensor.graph.basic import Constant
 from pytensor.graph.replace import clone_replace
-from pytensor.graph.rewriting.basic import copy_stack_trace, dfs_rewriter, node_rewriter
+from pytensor.graph.rewriting.basic import copy_stack_trace, node_rewriter
 from pytensor.scalar import basic as ps
 from pytensor.scan.op import Scan
 from pytensor.scan.utils import ScanArgs, expand_empty
@@ -567,21 +566,3 @@ def scan_reversed_tail(fgraph, node):
     out = tail[(slice(None), *rest)] if rest else tail
     copy_stack_trace(node.outputs[0], out)
     return [out]
-
-
-optdb.register(
-    "iterops_scan_mit_mot_to_sit_sot",
-    dfs_rewriter(scan_mit_mot_to_sit_sot, ignore_newtrees=True),
-    "fast_run",
-    "scan",
-    "iterops",
-    position=1.59,
-)
-optdb.register(
-    "iterops_scan_reversed_tail",
-    dfs_rewriter(scan_reversed_tail, ignore_newtrees=True),
-    "fast_run",
-    "scan",
-    "iterops",
-    position=1.591,
-)

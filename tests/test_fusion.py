@@ -325,7 +325,6 @@ NEAR_MISSES = {
     "stop on the value, not the change": lambda: _doubling_with(lambda a, g: g + a @ g @ a.T,
                                                                 stop=lambda n, o, t: pt.max(pt.abs(n)) < t),
     "intermediate gammas used": lambda: _doubling_with(lambda a, g: g + a @ g @ a.T, used="trace"),
-    "fixed point, other transpose": lambda: _fixed_point_with(lambda X, A, Q: A.T @ X @ A + Q),
     "fixed point, two different matrices": lambda: _fixed_point_with(lambda X, A, Q: A @ X @ Q.T + Q),
     "block diag, initial matrix not zero": lambda: _block_with(init=lambda k, n, m: pt.ones((k * n, k * m))),
     "block diag, one block short": lambda: _block_with(n_steps=lambda k: k - 1),
@@ -356,6 +355,7 @@ EXACT_NOW = {
     "alpha used": lambda: _doubling_with(lambda a, g: g + a @ g @ a.T, used="alpha"),
     "fixed point, no stop": lambda: _fixed_point_with(lambda X, A, Q: A @ X @ A.T + Q, stop=False),
     "fixed point, few steps": lambda: _fixed_point_with(lambda X, A, Q: A @ X @ A.T + Q, n_steps=50),
+    "fixed point, other transpose": lambda: _fixed_point_with(lambda X, A, Q: A.T @ X @ A + Q),  # the loop for A^T
 }
 
 

@@ -283,3 +283,90 @@ def test_last_reads_after_zero_steps_behave_like_the_loop(read):
                 f(a, q, k)
             continue
         np.testing.assert_allclose(f(a, q, k), want, rtol=1e-12)
+
+
+# 9. plain pytensor.grad of a loop of 0 steps -------------------------------------------------------------------------
+
+
+def _lyapunov_loop_of(kind, A, Q, X0, n):
+    if kind == "doubling":
+        return ref.doubling_loop(A, Q, 1e-12, n)
+    if kind == "damped":
+        return ref.damped_fixed_point_loop(A, Q, 0.6, X0, tol=1e-12, n_steps=n)
+    return ref.fixed_point_loop(A, Q, X0, tol=1e-12, n_steps=n)
+
+
+@pytest.mark.parametrize("kind", ["fixed_point", "damped", "doubling"])
+def test_plain_grad_of_a_zero_step_loop_raises_like_the_loop(kind):
+    """``pytensor.grad`` of ``Xs[-1]`` builds the cotangent ``inc_subtensor(zeros_like(Xs)[-1], g)``: with a
+    symbolic ``n_steps`` that is 0 at run time ``Xs`` has no row and the loop's gradient graph raises
+    ``IndexError`` (its value alone reads the start value); so must the fused gradient.  The loop and its
+    gradient Scan are still fused, and equal the loop for every other ``n_steps``."""
+    A, Q, X0, n = pt.matrix("A"), pt.matrix("Q"), pt.matrix("X0"), pt.iscalar("n")
+    out = _lyapunov_loop_of(kind, A, Q, X0, n)
+    wrt = [A, Q] if kind == "doubling" else [A, Q, X0]
+    cost = (out * pt.cos(0.3 * pt.arange(out.size)).reshape(out.shape)).sum()
+    grads = pytensor.grad(cost, wrt)
+    ins = [A, Q, X0, n]
+    f = pytensor.function(ins, [out, *grads], on_unused_input="ignore")
+    g = pytensor.function(ins, [out, *grads], mode=_SCAN_MODE, on_unused_input="ignore")
+    f_value = pytensor.function(ins, out, on_unused_input="ignore")
+    f_grad = pytensor.function(ins, grads, on_unused_input="ignore")  # without the forward value's own guards
+    g_value = pytensor.function(ins, out, mode=_SCAN_MODE, on_unused_input="ignore")
+    assert not _has_scan(f) and not _has_scan(f_grad), "the loop and its gradient Scan were expected to be fused"
+    a, q, x0 = np.array([[0.5, 0.1], [0.2, 0.3]]), np.array([[2.0, 0.5], [0.5, 1.0]]), np.eye(2)
+    for k in (1, 3, 5000):
+        _assert_same(f(a, q, x0, k), g(a, q, x0, k), rtol=1e-9, atol=1e-12)
+    # 0 steps: the value is the start value in both graphs, the gradient raises in both
+    np.testing.assert_array_equal(g_value(a, q, x0, 0), q if kind == "doubling" else x0)
+    np.testing.assert_array_equal(f_value(a, q, x0, 0), g_value(a, q, x0, 0))
+    for k in (0, -1):
+        for fn, which in ((g, "loop"), (f, "fused"), (f_grad, "fused")):
+            with pytest.raises(IndexError):
+                fn(a, q, x0, k)
+                pytest.fail(f"the {which} gradient does not raise at n_steps={k}")
+
+
+# 10. spellings that were kept -------------------------------------------------------------------------------------
+
+
+def _transposed_fixed_point_step(X, A, Q, tol):
+    X_new = A.T @ X @ A + Q
+    return X_new, until(pt.max(pt.abs(X_new - X)) < tol)
+
+
+def test_transposed_fixed_point_is_fused_and_equals_the_loop():
+    """``X <- A^T X A + Q`` is the fixed point of ``A^T X A - X + Q = 0``: the same iteration for ``A^T``, fused with
+    ``A.mT``; values and gradients equal the loop's, and the limit scipy's solution for ``A^T``."""
+    As, Qs, X0s = pt.matrix("A"), pt.matrix("Q"), pt.matrix("X0")
+    out = ref.fixed_point_loop(As, Qs, X0s, tol=1e-12, n_steps=5000, step=_transposed_fixed_point_step)
+    assert iterops.explain(out).replaced
+    f, g = _fused_and_loop([As, Qs, X0s], out, [As, Qs, X0s])
+    A = np.array([[0.5, 0.4, 0.0], [0.0, 0.3, 0.2], [0.1, 0.0, 0.6]])
+    Q, X0 = np.array([[2.0, 0.5, 0.0], [0.5, 1.0, 0.1], [0.0, 0.1, 1.5]]), np.eye(3)
+    got, loop = f(A, Q, X0), g(A, Q, X0)
+    np.testing.assert_allclose(loop[0], scipy.linalg.solve_discrete_lyapunov(A.T, Q), rtol=1e-9)
+    _assert_same(got, loop, rtol=1e-9, atol=1e-12)
+
+
+def test_reading_the_number_of_steps_run_keeps_the_scan_and_says_why():
+    """``Xs.shape[0]`` beside ``Xs[-1]``: the number of steps a loop with a stop rule ran is not an output of the
+    fused Op, so the Scan is kept and ``explain`` says so."""
+    A, Q = pt.matrix("A"), pt.matrix("Q")
+    Xs = pytensor.scan(ref.fixed_point_step, outputs_info=[pt.zeros_like(Q)], non_sequences=[A, Q, pt.as_tensor(1e-12)],
+                       n_steps=100, return_updates=False)
+    report = iterops.explain([Xs[-1], Xs.shape[0]])
+    assert not report.replaced and "the number of steps run" in str(report)
+    assert iterops.explain(Xs[-1]).replaced  # the same loop without the count is fused
+
+
+@pytest.mark.xfail(reason="the positive semi-definiteness of diag(v * v) is not proved yet (iterops.fusion.proofs)",
+                   strict=True)
+def test_textbook_kalman_with_a_diagonal_of_squares_is_fused():
+    """``H = diag(hv * hv)`` is as positive semi-definite as ``diag(hv ** 2)`` (which is fused)."""
+    y, a0, L0, hv = pt.tensor("y", shape=(10, 2)), pt.vector("a0"), pt.matrix("L0"), pt.vector("hv")
+    T, Z, R, LQ = pt.matrix("T"), pt.matrix("Z"), pt.matrix("R"), pt.matrix("LQ")
+    ll, _, _ = ref.kalman_textbook_loop(y, a0, L0 @ L0.T, T, Z, R, pt.diag(hv ** 2), LQ @ LQ.T)
+    assert iterops.explain(ll.sum()).replaced
+    ll, _, _ = ref.kalman_textbook_loop(y, a0, L0 @ L0.T, T, Z, R, pt.diag(hv * hv), LQ @ LQ.T)
+    assert iterops.explain(ll.sum()).replaced, str(iterops.explain(ll.sum()))

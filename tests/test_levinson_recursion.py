@@ -15,7 +15,7 @@ import pytensor.tensor as pt
 import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
-from pytensor.gradient import NullTypeGradError, verify_grad
+from pytensor.gradient import verify_grad
 from statsmodels.tsa.arima_process import arma_acovf
 from statsmodels.tsa.stattools import acovf as sm_acovf
 from statsmodels.tsa.stattools import levinson_durbin as sm_levinson_durbin
@@ -360,13 +360,6 @@ def test_dtypes():
         assert pytensor.grad(outs.sigma2, g).dtype == dtype
     outs = levinson_recursion(pt.vector("g", dtype="int64"), 2)
     assert all(o.dtype == pytensor.config.floatX for o in outs)
-
-
-def test_second_derivative_not_implemented():
-    g = pt.vector("g")
-    gr = pytensor.grad(levinson_recursion(g, 2).sigma2, g)
-    with pytest.raises(NullTypeGradError):
-        pytensor.grad(gr.sum(), g)
 
 
 def test_docstring_example():

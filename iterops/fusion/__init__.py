@@ -39,15 +39,41 @@ The rewrite runs on every graph once iterops is imported, so it promises:
    replacement to be exact (a symmetric covariance, a loop index counting
    from 0, a read of the last row only) is proved from the graph
    (:mod:`iterops.fusion.proofs`, :mod:`iterops.fusion.piecewise`, the
-   patterns' ``check``); without a proof the Scan is kept.  Replacements that
-   are exact only on part of the input space are not used: PyTensor's Numba
-   ``ifelse`` evaluates both branches, so a run-time fallback to the Scan
-   would cost the Scan anyway.
+   patterns' ``check``); without a proof the Scan is kept, and
+   :func:`explain` names the declaration that would let it fuse.  Replacements
+   that are exact only on part of the input space are not used: PyTensor's
+   Numba ``ifelse`` evaluates both branches, so a run-time fallback to the
+   Scan would cost the Scan anyway.  Matrix facts come from
+   ``pytensor.assumptions``:
+
+   * declared facts (``assume(P0, symmetric=True, positive_definite=True)``)
+     are the user's word and are trusted, as PyTensor's own rewrites trust them;
+   * PyTensor's inferred ``symmetric`` is accepted.  Some of its rules hold to
+     rounding only (``inv(S)``, ``S @ S``, Lyapunov solutions ``A X A^T - X + Q
+     = 0`` with a symmetric ``Q``, which are symmetric wherever the solution is
+     unique); the fused filter reads the symmetric part, the loop the raw
+     entries, so results differ by the rounding of that asymmetry times the
+     loop's conditioning, as in item 1.  Where the Lyapunov solution is not
+     unique the loop's start covariance is rounding noise (its conditioning is
+     infinite) and is not held to a tolerance;
+   * PyTensor's inferred ``positive_definite`` is not used: it counts ``L L^T``
+     as definite and every Lyapunov solution of a definite ``Q`` as definite,
+     stable ``A`` or not.  Positive semi-definiteness is iterops' own key
+     (``positive_semidefinite``, rules in :mod:`iterops.fusion.proofs`); a
+     declared ``positive_definite`` counts;
+   * facts are inferred on the graph of the matrix alone: a promise read off a
+     use (``solve(S, b, assume_a="pos")``) counts only inside that matrix's
+     construction.
 3. **Raise where the loop raises.**  A negative ``n_steps`` and a read of the
    last row of a loop that ran 0 steps raise ``IndexError`` in the rewritten
    graph too (``CheckAndRaise``); a pattern whose loop would raise on some
    input checks that input the same way (e.g. Levinson on autocovariances
    shorter than ``order + 1``).  The message may differ from the loop's.
+   Where the loop's result depends on the linker -- it raises under one and
+   returns a value under another, as ``inv`` of a singular or non-finite
+   innovation covariance does (``LinAlgError`` under FAST_COMPILE, NaN under
+   NUMBA; with ``p = 1`` and an infinite ``F``, -inf under FAST_COMPILE and a
+   raise under NUMBA) -- the replacement returns NaN.
 4. **Never a different computation.**  The matcher looks through spelling
    only (operand order of commutative operations, association of products
    and sums, ``@`` / ``dot``, transposes, widening casts of inputs); a
@@ -86,12 +112,11 @@ from iterops.fusion import patterns  # noqa: F401  (registers the patterns)
 from iterops.fusion.gradient import fuse_with_gradients
 from iterops.fusion.matcher import _inner_inputs, _inner_outputs, match_scan
 from iterops.fusion.registry import PATTERNS, Pattern, Role, register_pattern
-from iterops.fusion.rewrite import disabled, fuse_scan, is_enabled, register, replacements_for, set_enabled
+from iterops.fusion.rewrite import disabled, fuse_scan, is_enabled, replacements_for, set_enabled
 
 __all__ = ["fuse_loops", "explain", "Explanation", "PATTERNS", "Pattern", "Role", "register_pattern",
            "disabled", "set_enabled", "is_enabled"]
 
-register()
 
 
 def _fuse_fgraph(fgraph: FunctionGraph) -> None:

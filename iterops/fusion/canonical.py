@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.compile.builders import OpFromGraph
+from pytensor.configdefaults import config
 from pytensor.graph.basic import Constant, Variable
 from pytensor.graph.fg import FunctionGraph
 from pytensor.graph.rewriting.utils import rewrite_graph
@@ -171,6 +172,11 @@ def _canonical_user_graph(node, lift=False) -> _UserGraph:
     and it can be bound to a non-sequence role of the reference; where the
     reference has no role, the unifier compares the constant itself.
     """
+    with config.change_flags(traceback__limit=0):  # private copies: no user needs their creation stack
+        return _canonical_user_graph_untraced(node, lift)
+
+
+def _canonical_user_graph_untraced(node, lift):
     op = node.op
     args = ScanArgs.from_node(node, clone=True)
     ins, outs, static = _erase_static_shapes(_inner_inputs(args), _inner_outputs(args))
@@ -198,19 +204,25 @@ def _canonical_user_graph(node, lift=False) -> _UserGraph:
     states = [*a.inner_in_sit_sot, *a.inner_in_shared]
     updates = dict(zip(states, [*a.inner_out_sit_sot, *a.inner_out_shared]))
     dtypes = [v.type.dtype for v in states if str(getattr(v.type, "dtype", "")).startswith("float")]
-    unsupported = None
-    if a.mit_mot_in_slices or a.mit_sot_in_slices:
-        unsupported = "the loop has multi-tap (mit-sot/mit-mot) states"
-    elif op.truncate_gradient != -1:
-        # the fused Ops' gradients are full; reproducing a truncated one is not worth a pattern
-        unsupported = f"the loop truncates its gradient (truncate_gradient={op.truncate_gradient})"
-    elif any(not isinstance(v.type, TensorType) for v in ins):
-        unsupported = "the loop carries non-tensor values (e.g. a random generator)"
+    unsupported = unsupported_loop(op)
     return _UserGraph(
         inner_inputs=list(fg.inputs[:n_ins]), inner_outputs=list(fg.outputs), kind=kind, states=states,
         updates=updates, outputs=list(a.inner_out_nit_sot), static=static, cond=a.cond[0] if a.cond else None,
         dtype=dtypes[0] if dtypes else None, unsupported=unsupported, lifted=lifted, liftable=bool(consts),
     )
+
+
+def unsupported_loop(op) -> str | None:
+    """Why no pattern can replace the Scan ``op`` whatever its step computes, or None."""
+    info = op.info
+    if info.n_mit_mot or info.n_mit_sot:
+        return "the loop has multi-tap (mit-sot/mit-mot) states"
+    if op.truncate_gradient != -1:
+        # the fused Ops' gradients are full; reproducing a truncated one is not worth a pattern
+        return f"the loop truncates its gradient (truncate_gradient={op.truncate_gradient})"
+    if any(not isinstance(v.type, TensorType) for v in op.inner_inputs):
+        return "the loop carries non-tensor values (e.g. a random generator)"
+    return None
 
 
 def _inner_inputs(a: ScanArgs):

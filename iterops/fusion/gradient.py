@@ -52,6 +52,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import OrderedDict
+from typing import NamedTuple
 
 import numpy as np
 import pytensor
@@ -69,7 +70,7 @@ from pytensor.tensor.elemwise import DimShuffle, Elemwise
 from pytensor.tensor.math import Sum
 from pytensor.tensor.subtensor import IncSubtensor, Subtensor, indices_from_subtensor
 
-from iterops.fusion.matcher import constant_value, initial_value, match_scan
+from iterops.fusion.matcher import constant_value, initial_value, inner_reject, match_scan, may_match
 from iterops.fusion.uses import _is_last_index
 from iterops.fusion.registry import PATTERNS
 
@@ -295,15 +296,27 @@ def _is_zero(v):
     return False
 
 
-def _last_row_terms(c, buffer, start=0):
-    """Terms summing to the last row of ``c`` (shaped like ``buffer[start:]``) if every other row is provably zero.
+class LastRow(NamedTuple):
+    """The last row of a cotangent whose other rows are provably zero: the ``terms`` summing to it, and the
+    fewest ``steps`` the loop must run for the cotangent's own graph not to raise (an index ``-1`` into the
+    trace ``buffer[1:]``, empty after 0 steps, raises ``IndexError``)."""
+
+    terms: list
+    steps: int = 0
+
+
+def _last_row_terms(c, buffer, start=0) -> LastRow | None:
+    """The last row of ``c`` (shaped like ``buffer[start:]``) if every other row is provably zero (:class:`LastRow`).
 
     Accepted: zeros, ``inc_subtensor`` / ``set_subtensor`` at a provably last
     row index (no trailing index) or on a suffix ``[s:]`` of such a value, and
     sums of them: what ``pytensor.grad`` builds for ``out[-1]``.  None otherwise.
+    A row index into ``buffer[s:]`` reads a row only after ``s`` steps (``buffer``
+    holds the initial value first), and one out of bounds after 0 steps
+    (``"nonempty"``, see :func:`~iterops.fusion.uses._is_last_index`) after 1.
     """
     if _is_zero(c):
-        return []
+        return LastRow([])
     node = c.owner
     if node is None:
         return None
@@ -315,11 +328,11 @@ def _last_row_terms(c, buffer, start=0):
             return None
         first = idx[0]
         if not isinstance(first, slice):
-            if _is_last_index(first, x, buffer, start) is not True:
+            last = _is_last_index(first, x, buffer, start)
+            if not last or y.type.ndim != c.type.ndim - 1:
                 return None
-            if y.type.ndim != c.type.ndim - 1:
-                return None
-            return [y] if node.op.set_instead_of_inc else [*base, y]
+            steps = max(base.steps, start, 0 if last is True else 1)
+            return LastRow([y] if node.op.set_instead_of_inc else [*base.terms, y], steps)
         s = 0 if first.start is None else constant_value(first.start)
         if s is None or s < 0 or first.stop is not None or (first.step is not None and constant_value(first.step) != 1):
             return None
@@ -328,17 +341,19 @@ def _last_row_terms(c, buffer, start=0):
         inner = _last_row_terms(y, buffer, start + s)
         if inner is None:
             return None
-        return inner if node.op.set_instead_of_inc else [*base, *inner]
+        terms = inner.terms if node.op.set_instead_of_inc else [*base.terms, *inner.terms]
+        return LastRow(terms, max(base.steps, inner.steps))
     if isinstance(node.op, Elemwise) and isinstance(node.op.scalar_op, ps.Add):
-        terms = []
+        terms, steps = [], 0
         for i in node.inputs:
             if i.type.ndim != c.type.ndim or i.type.broadcastable[0] != c.type.broadcastable[0]:
                 return None
             t = _last_row_terms(i, buffer, start)
             if t is None:
                 return None
-            terms += t
-        return terms
+            terms += t.terms
+            steps = max(steps, t.steps)
+        return LastRow(terms, steps)
     return None
 
 
@@ -527,6 +542,9 @@ def fuse_with_gradients(fgraph, F, patterns=None) -> GradientPair | None:
     candidates = gradient_scans(fgraph, F)
     if not candidates:
         return None
+    if not may_match(F, patterns):  # before rebuilding any pullback: no use of F can make it match
+        rejections = sorted(((p.name, inner_reject(F, p)) for p in patterns), key=lambda pr: -pr[1].score)
+        return GradientPair(gradients=candidates, reason="its forward loop matches no pattern", rejections=rejections)
     pairs = []
     for G in candidates:
         found = identify(F, G)
@@ -565,7 +583,7 @@ def fuse_with_gradients(fgraph, F, patterns=None) -> GradientPair | None:
         kept, extra, aux = set(), {}, {}
         for o in used:
             if o in sitsot and mode == "last":
-                kept.update(y for lt in last_terms for y in lt.get(o, ()))
+                kept.update(y for lt in last_terms if o in lt for y in lt[o].terms)
                 v = o[-1]
                 aux[o] = v
                 extra[o] = [(v.owner, 0)]
@@ -632,11 +650,18 @@ def _replacements(fgraph, F, match, targets, cots, last_terms, aux, replacements
     init_buffers = set(ScanArgs.from_node(F).outer_in_sit_sot)
     repl = {}  # gradients first: their graph reads the forward uses, which the forward replacements then rewire
     for p, cot in enumerate(cots):
+        # the loop's gradient graph raises where its cotangents do (an index -1 into the trace of a loop of 0 steps)
+        # and where the forward Scan does (a negative n_steps): so must the replaced gradients
+        steps = max((t.steps for o, t in last_terms[p].items() if o in aux), default=0)
+        if steps > 1 and match.as_while:
+            _log.debug("gradient fusion kept: a cotangent needs %d steps, a loop with a stop rule may run fewer", steps)
+            return None
+        first = len(repl)
         known = {}
         for o, c in cot.items():
             if o in aux:
                 value = values[o]
-                g = sum((pt.cast(y, value.dtype) for y in last_terms[p][o]), start=pt.zeros_like(value))
+                g = sum((pt.cast(y, value.dtype) for y in last_terms[p][o].terms), start=pt.zeros_like(value))
             else:
                 value = fwd.get(o)
                 if value is None:
@@ -696,5 +721,7 @@ def _replacements(fgraph, F, match, targets, cots, last_terms, aux, replacements
             if g.type.dtype != var.type.dtype:
                 g = pt.cast(g, var.type.dtype)
             repl[var] = var.type.filter_variable(g, allow_convert=True)
+        for var in list(repl)[first:]:
+            repl[var] = var.type.filter_variable(match.require_steps(repl[var], steps), allow_convert=True)
     repl.update(fwd)
     return repl

@@ -1,7 +1,11 @@
 """A generic structural matcher of Scan inner graphs against reference steps.
 
 Nothing here knows a specific algorithm.  For a ``Scan`` node and a
-:class:`~iterops.fusion.registry.Pattern`, :func:`match_scan` runs three stages:
+:class:`~iterops.fusion.registry.Pattern`, :func:`match_scan` runs three stages,
+after a pre-check that costs nothing on the Scans no pattern can match
+(:func:`inner_reject`, cached per Scan op: what the op alone says -- multi-tap
+states, stop rule, state ndims, sequences read, Ops -- then stages 1-2 on the
+step alone):
 
 1. canonicalization (:mod:`iterops.fusion.canonical`): the user's inner graph
    and the pattern's reference step are rebuilt without static shapes, with
@@ -23,12 +27,15 @@ importable from here: :func:`match_scan`, :class:`Match`, :class:`Reject`,
 
 from __future__ import annotations
 
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytensor.tensor as pt
+from pytensor.compile.builders import OpFromGraph
 from pytensor.graph.basic import Variable
-from pytensor.graph.traversal import io_toposort
+from pytensor.graph.traversal import ancestors, io_toposort
+from pytensor.raise_op import CheckAndRaise
 from pytensor.scan.utils import ScanArgs
 
 from iterops.fusion.canonical import (  # noqa: F401  (re-exported: the matcher's public names)
@@ -38,12 +45,18 @@ from iterops.fusion.canonical import (  # noqa: F401  (re-exported: the matcher'
     _UserGraph,
     constant_value,
     provably_equal,
+    unsupported_loop,
 )
 from iterops.fusion.registry import Pattern
-from iterops.fusion.unify import Reject, _const_equal, _describe, _is_constant, _ref_graph, _specialize, _unify_loop
+from iterops.fusion.unify import Reject, _const_equal, _parse_step_return, _describe, _is_constant, _ref_graph, _specialize, _unify_loop
 from iterops.fusion.uses import _has_clients, _uses, initial_value
 
-__all__ = ["Match", "Reject", "match_scan", "constant_value", "provably_equal", "initial_value"]
+#: PyTensor's Scan raises on a negative ``n_steps``; the fused Ops would run 0 steps
+_NEGATIVE_STEPS = CheckAndRaise(IndexError, "Scan was asked to run for a negative number of steps")
+#: an index out of bounds when the loop ran too few steps (``out[-1:][0]`` after 0 steps, ...)
+_TOO_FEW_STEPS = CheckAndRaise(IndexError, "index out of bounds: the loop ran too few steps (e.g. 0)")
+
+__all__ = ["Match", "Reject", "match_scan", "may_match", "inner_reject", "constant_value", "provably_equal", "initial_value"]
 
 
 @dataclass
@@ -74,22 +87,44 @@ class Match:
         """``n_steps`` as a Python int if constant, else None."""
         return constant_value(self.n_steps)
 
+    def require_steps(self, value, at_least=0):
+        """``value`` guarded to raise ``IndexError`` where the user's graph raises for its ``n_steps``.
+
+        Scan raises on ``n_steps < 0``; a read that needs ``at_least`` steps (an index out of bounds after
+        fewer) raises when ``n_steps < at_least``.  Checks a constant ``n_steps`` proves are left out.  For a
+        loop with a stop rule ``n_steps`` is only a bound: ``at_least`` > 1 is the caller's to prove.
+        """
+        c = self.n_steps_value()
+        if c is None or c < 0:  # a constant negative n_steps: the loop raises when it runs, and so must this
+            value = _NEGATIVE_STEPS(value, pt.ge(self.n_steps, 0))
+        if at_least > 0 and (c is None or c < at_least):
+            value = _TOO_FEW_STEPS(value, pt.ge(self.n_steps, at_least))
+        return value
+
 
 def match_scan(fgraph, node, patterns) -> tuple[Match | None, list[tuple[str, Reject]]]:
     """Match ``node`` against ``patterns``; returns (match or None, rejections).
 
     A step holding non-scalar constants is tried a second time with them
-    lifted to inputs (see :func:`_canonical_user_graph`).
+    lifted to inputs (see :func:`_canonical_user_graph`).  Patterns whose
+    step cannot match the inner graph at all (:func:`inner_reject`, cached per
+    Scan op) are rejected without looking at the outer graph.
     """
-    patterns = list(patterns)
-    user = _user_graph(node)
     best: dict = {}
+    candidates = []
+    for pattern in patterns:
+        why = inner_reject(node, pattern)
+        if why is None:
+            candidates.append(pattern)
+        else:
+            best[pattern.name] = why
     for lift in (False, True):
-        if lift:
-            if not user.liftable:
-                break
-            user = _user_graph(node, lift=True)
-        for pattern in patterns:
+        if not candidates:
+            break
+        user = _user_graph(node, lift=lift)
+        if lift and not user.liftable:
+            break
+        for pattern in candidates:
             try:
                 return _match_pattern(fgraph, node, user, pattern), []
             except Reject as err:
@@ -99,15 +134,167 @@ def match_scan(fgraph, node, patterns) -> tuple[Match | None, list[tuple[str, Re
     return None, rejections
 
 
+def may_match(node, patterns) -> bool:
+    """Whether the step of the Scan ``node`` can match one of ``patterns`` (the outer graph aside); cached per op.
+
+    False means no use of the loop's outputs can make it match: callers skip
+    every costlier step (rebuilding pullbacks to identify gradient Scans, ...).
+    """
+    return any(inner_reject(node, p) is None for p in patterns)
+
+
+#: id(Scan op) -> (op, {pattern name: Reject or None}); ops compare by their inner graphs, hence ids
+_INNER: OrderedDict = OrderedDict()
+
+
+def inner_reject(node, pattern: Pattern) -> Reject | None:
+    """Why no step of ``pattern`` can match ``node``'s inner graph whatever the outer graph, or None.
+
+    First what the Scan op says at no cost (:func:`_static_reject`); then the
+    step is unified with each variant (states and stop rule; per-step outputs
+    and outer uses are checked later by :func:`match_scan`).  Cached per
+    Scan op: PyTensor visits a Scan node many times and rebuilds nodes around
+    an unchanged op.
+    """
+    op = node.op
+    hit = _INNER.get(id(op))
+    if hit is None or hit[0] is not op:
+        hit = (op, {})
+        _INNER[id(op)] = hit
+        while len(_INNER) > 256:
+            _INNER.popitem(last=False)
+    cache = hit[1]
+    if pattern.name not in cache:
+        cache[pattern.name] = _static_reject(_signature(op), pattern) or _unify_reject(node, pattern)
+    return cache[pattern.name]
+
+
+@dataclass(frozen=True)
+class _Signature:
+    """What a Scan op says about its loop without canonicalizing its step."""
+
+    unsupported: str | None
+    dtype: str | None  # of the first float state, as the canonical graph's
+    state_ndims: tuple  # sorted ndims of the states (sit-sot and untraced)
+    as_while: bool  # the step returns ``until(...)``
+    n_seqs: int
+    n_seqs_read: int  # sequences the state updates and the stop rule read
+    op_names: frozenset  # class names of the step's Ops (core Ops of Blockwise, OpFromGraph inlined)
+
+
+def _signature(op) -> _Signature:
+    info = op.info
+    inputs = op.inner_inputs
+    start = info.n_seqs + sum(len(s) for s in info.mit_mot_in_slices) + sum(len(s) for s in info.mit_sot_in_slices)
+    states = inputs[start:start + info.n_sit_sot + info.n_untraced_sit_sot]
+    outs = op.inner_outputs
+    n_out_mm = sum(len(s) for s in info.mit_mot_out_slices)
+    updates = outs[n_out_mm + info.n_mit_sot:n_out_mm + info.n_mit_sot + info.n_sit_sot]
+    updates += outs[len(outs) - info.n_untraced_sit_sot - int(info.as_while):len(outs) - int(info.as_while)]
+    read = set(ancestors([*updates, *(outs[-1:] if info.as_while else [])], blockers=inputs))
+    n_seqs_read = sum(v in read for v in inputs[:info.n_seqs])
+    dtypes = [v.type.dtype for v in states if str(getattr(v.type, "dtype", "")).startswith("float")]
+    return _Signature(unsupported=unsupported_loop(op), dtype=dtypes[0] if dtypes else None,
+                      state_ndims=tuple(sorted(getattr(v.type, "ndim", -1) for v in states)),
+                      n_seqs=info.n_seqs, n_seqs_read=n_seqs_read, as_while=info.as_while,
+                      op_names=_raw_op_names(inputs, outs))
+
+
+def _raw_op_names(inputs, outputs) -> frozenset:
+    names = set()
+    for n in io_toposort(inputs, outputs):
+        core = getattr(n.op, "core_op", n.op)
+        names.add(type(core).__name__)
+        module = type(core).__module__
+        if not module.startswith("pytensor.") or module.startswith(_LINALG_MODULES):
+            names |= _MAY_BECOME
+        if isinstance(core, OpFromGraph):
+            names |= _raw_op_names(core.inner_inputs, core.inner_outputs)
+    return frozenset(names)
+
+
+_STOPS: dict = {}
+
+
+def _stop_rules(pattern: Pattern) -> frozenset:
+    """Whether the pattern's step variants end with ``until``: ``{True}``, ``{False}`` or both (built once)."""
+    if pattern.name not in _STOPS:
+        found = set()
+        for step in pattern.step:
+            ins = [pt.tensor(dtype=r.dtype or "float64", shape=(None,) * r.ndim, name=r.name)
+                   for r in (*pattern.sequences, *pattern.states, *pattern.non_sequences)]
+            try:
+                found.add(_parse_step_return(step(*ins))[1] is not None)
+            except Reject:  # the variant cannot be built here (e.g. needs a library not imported): both
+                found |= {True, False}
+        _STOPS[pattern.name] = frozenset(found)
+    return _STOPS[pattern.name]
+
+
+_LINALG_MODULES = ("pytensor.tensor.linalg", "pytensor.tensor.nlinalg", "pytensor.tensor.slinalg")
+
+
+def _static_reject(sig: _Signature, pattern: Pattern) -> Reject | None:
+    """The checks of :func:`_match_pattern` that the Scan op alone decides (the same messages)."""
+    if sig.unsupported:
+        return Reject(sig.unsupported, 0.0)
+    if sig.dtype not in ("float32", "float64"):
+        return Reject("the loop has no float32/float64 state", 0.0)
+    if len(sig.state_ndims) < len(pattern.states) or sig.n_seqs < len(pattern.sequences):
+        return Reject(f"needs {len(pattern.states)} state(s) and {len(pattern.sequences)} sequence(s), the loop "
+                      f"has {len(sig.state_ndims)} and {sig.n_seqs}", 0.0)
+    # every input the step's updates read is bound to a role of the same kind (a time-varying matrix may be a
+    # sequence): more sequences read than the pattern can bind cannot unify
+    seq_roles = len(pattern.sequences) + sum(r.time_varying_ok for r in pattern.non_sequences)
+    if sig.n_seqs_read > seq_roles:
+        return Reject(f"the step's states read {sig.n_seqs_read} sequence(s), the pattern at most {seq_roles}", 0.0)
+    stops = _stop_rules(pattern)
+    if sig.as_while not in stops:
+        return (Reject("the loop has an until stop the pattern does not have", 0.5) if sig.as_while else
+                Reject("the loop has no convergence stop (until) where the pattern needs one", 0.5))
+    have = Counter(sig.state_ndims)
+    for ndim, k in Counter(r.ndim for r in pattern.states).items():
+        if have[ndim] < k:
+            return Reject(f"needs {k} state(s) of ndim {ndim}, the loop has {have[ndim]}", 0.0)
+    if pattern.needs_ops and not set(pattern.needs_ops) & sig.op_names and not sig.op_names & _MAY_BECOME:
+        return Reject(f"the step has none of the operations {', '.join(pattern.needs_ops)}", 0.0)
+    return None
+
+
+#: stands for an Op that ``canonicalize`` may turn into another linear-algebra Op (PyTensor's linalg rewrites
+#: only rewrite linalg Ops into one another) or that a user's rewrite may change: ``needs_ops`` is then checked on
+#: the canonical step
+_MAY_BECOME = frozenset({"<linalg or foreign Op>"})
+
+
+def _unify_reject(node, pattern: Pattern) -> Reject | None:
+    """Unification of the step alone (states, stop rule), unlifted and lifted constants; None if one unifies."""
+    worst = None
+    for lift in (False, True):
+        user = _user_graph(node, lift=lift)
+        if lift and not user.liftable:
+            break
+        if user.unsupported:
+            return Reject(user.unsupported, 0.0)
+        if pattern.needs_ops and not set(pattern.needs_ops) & _op_names(user):
+            err = Reject(f"the step has none of the operations {', '.join(pattern.needs_ops)}", 0.0)
+            worst = err if worst is None or err.score > worst.score else worst
+            continue
+        for variant in range(len(pattern.step)):
+            try:
+                ref = _ref_graph(pattern, variant, user.dtype)
+                next(_unify_loop(pattern, ref, user, ()))
+                return None
+            except Reject as err:
+                if worst is None or err.score > worst.score:
+                    worst = err
+            except StopIteration:  # pragma: no cover  (_unify_loop raises Reject when it yields nothing)
+                pass
+    return worst
+
+
 def _match_pattern(fgraph, node, user: _UserGraph, pattern: Pattern) -> Match:
-    if user.unsupported:
-        raise Reject(user.unsupported, 0.0)
-    if user.dtype is None or user.dtype not in ("float32", "float64"):
-        raise Reject("the loop has no float32/float64 state", 0.0)
-    if len(user.states) < len(pattern.states) or len(user.args.inner_in_seqs) < len(pattern.sequences):
-        raise Reject(
-            f"needs {len(pattern.states)} state(s) and {len(pattern.sequences)} sequence(s), the loop has "
-            f"{len(user.states)} and {len(user.args.inner_in_seqs)}", 0.0)
+    # the checks the Scan op and its step decide alone were made by :func:`inner_reject`
     used_outputs = [j for j, o in enumerate(user.outer_outputs) if _has_clients(fgraph, o)]
     if pattern.outputs and len(used_outputs) > len(pattern.outputs):
         raise Reject(f"the loop has {len(used_outputs)} used per-step outputs, the pattern at most "

@@ -1,31 +1,40 @@
-"""Structural proofs about the outer inputs of a matched loop: symmetry, positive semi-definiteness, signs.
+"""Facts the fusion patterns need about covariance inputs, from PyTensor's assumption system.
 
-A fused Kalman filter reads the covariance inputs through their symmetric
-part and reports a failed Cholesky factorisation as ``-inf``; a user's loop
-reads the raw entries and may run on through an indefinite ``F``.  The two
-agree exactly when the covariances are symmetric (and, for loops that never
-factorise, positive semi-definite), so the patterns ask for a *proof* from
-how the matrices are built, and keep the Scan without one.  Free symbolic
-matrices prove nothing; the ways models build covariances do:
+A fused Kalman filter reads the covariances through their symmetric part and
+reports a failed Cholesky factorisation; the user's loop reads the raw
+entries and may run on through an indefinite ``F``.  The two agree when the
+covariances are symmetric (and, for loops that never factorise, positive
+semi-definite), so the patterns ask :func:`is_symmetric` / :func:`is_psd` and
+keep the Scan without a proof (contract: :mod:`iterops.fusion`, item 2).
 
-===============================  ==========  ====  ===========
-expression                       symmetric   PSD   diagonal
-===============================  ==========  ====  ===========
-constant (or ``C[i]`` of one)    by value    by eigenvalues
-``eye``, ``identity_like``       yes         yes   yes
-``diag(v)``                      yes         if ``v >= 0``  yes
-``X @ X.T``, ``X @ S @ X.T``     yes         yes (``S`` PSD)
-``S1 + S2``, ``c * S``           if both     if both / ``c >= 0``
-``X + X.T``, ``S.T``             yes         as ``S``
-elementwise of symmetric         yes         --
-``set/inc`` on the diagonal      if base     if base diagonal and values >= 0
-fused Lyapunov solution          if ``Q``    if ``Q``
-===============================  ==========  ====  ===========
+* **symmetric**: PyTensor's ``SYMMETRIC`` (declared with ``assume(x,
+  symmetric=True)`` or inferred by its rules), or PSD below, or a symmetric
+  constant or 1 x 1 matrix.  Registered here on ``SYMMETRIC``: writes on the
+  diagonal of a symmetric matrix (set or inc), iterops' ``block_diag``, and
+  Lyapunov solutions (iterops' and PyTensor's) of a symmetric or PSD ``Q``.
+* **positive semi-definite**: iterops' key ``positive_semidefinite`` (PyTensor's
+  inferred ``positive_definite`` counts ``X X^T`` as definite and any Lyapunov
+  solution as definite).  Declared ``positive_definite`` counts; inferred:
 
-Casts, ``specify_shape`` and ``Blockwise`` wrappers are looked through.
-Non-negative scalars and vectors: non-negative constants, ``x**2`` (even
-integer powers), ``abs``, ``exp``, ``sqrt``, ``softplus``, ``sigmoid``, and
-sums, products, maxima of non-negative values.
+  ==============================================  ===============================
+  constant                                        symmetric, eigenvalues >= 0
+  ``eye``, ``diag(v)``, scalar fill ``c``           ``v >= 0``, ``c >= 0``
+  ``X @ X.T``, ``X.T @ X``, ``M @ S @ M.T``          ``S`` PSD
+  ``r * q * r.T`` (``r`` a column)                 ``q >= 0``
+  ``S1 + S2``, ``S1 * S2`` (Schur), ``c * S``, ``S / c``  operands PSD, scalars ``>= 0``
+  ``inc_subtensor(S[:, :], W)``                     ``S`` and ``W`` PSD
+  diagonal write: ``inc`` / ``set``                ``S`` PSD / PSD and diagonal; values ``>= 0``
+  block diagonals, Kronecker products, transposes  blocks PSD
+  ==============================================  ===============================
+
+  Not inferred: Lyapunov solutions (PSD only for a stable ``A``), inverses.
+  The key is iterops' own, so PyTensor's rewrites never act on these facts.
+* **non-negative** scalars (:func:`is_nonneg`): non-negative constants, even
+  powers, ``abs``, ``exp``, ``sqrt``, ``softplus``, ``sigmoid``, and sums,
+  products and maxima of non-negative values.
+
+Facts are inferred on the graph of the matrix alone, so a promise read off a
+use (``solve(S, b, assume_a="pos")``) counts only inside its construction.
 """
 
 from __future__ import annotations
@@ -34,17 +43,41 @@ from functools import lru_cache
 
 import numpy as np
 import pytensor.scalar as ps
+from pytensor.assumptions import (
+    DIAGONAL,
+    POSITIVE_DEFINITE,
+    SYMMETRIC,
+    AssumptionFeature,
+    AssumptionKey,
+    FactState,
+    SpecifyAssumptions,
+    register_assumption,
+    register_matrix_property_rules,
+)
+from pytensor.assumptions.alloc import alloc_diag_rule, eye_identity_rule
+from pytensor.assumptions.core import register_constant_inference, true_if
+from pytensor.assumptions.dimshuffle import conjugate_transpose_input
+from pytensor.assumptions.dot import match_congruence
 from pytensor.compile.ops import DeepCopyOp, ViewOp
 from pytensor.graph.basic import Constant
-from pytensor.tensor.basic import Alloc, ExtractDiag, Eye, get_underlying_scalar_constant_value
-from pytensor.tensor.blockwise import Blockwise
+from pytensor.graph.fg import FunctionGraph
+from pytensor.tensor.basic import Alloc, AllocDiag, ExtractDiag, Eye, get_underlying_scalar_constant_value
 from pytensor.tensor.elemwise import DimShuffle, Elemwise
 from pytensor.tensor.exceptions import NotScalarConstantError
+from pytensor.tensor.linalg.constructors import BlockDiagonal
+from pytensor.tensor.linalg.products import KroneckerProduct
+from pytensor.tensor.linalg.solvers.linear_control import SolveBilinearDiscreteLyapunov
 from pytensor.tensor.math import Dot
 from pytensor.tensor.shape import Reshape, SpecifyShape
 from pytensor.tensor.subtensor import AdvancedIncSubtensor, AdvancedSubtensor, IncSubtensor, Subtensor, indices_from_subtensor
 
-__all__ = ["is_symmetric", "is_psd", "is_nonneg"]
+from iterops.linalg.block_diag import BlockDiag
+from iterops.linalg.lyapunov import DiscreteLyapunov
+
+__all__ = ["PSD", "is_symmetric", "is_psd", "is_nonneg"]
+
+#: Positive semi-definite (symmetric, ``x^T S x >= 0``): ``assume(S, positive_semidefinite=True)``.
+PSD = AssumptionKey("positive_semidefinite", short_name="psd")
 
 _NONNEG_UNARY = tuple(getattr(ps, name) for name in ("Abs", "Exp", "Sqrt", "Sqr", "Softplus", "Sigmoid", "Exp2",
                                                      "Cosh", "Erfc", "Erfcx") if hasattr(ps, name))
@@ -55,7 +88,7 @@ def _core(v):
     """``v`` with casts to float, specify_shape and copies looked through."""
     while v.owner is not None:
         op = v.owner.op
-        if isinstance(op, SpecifyShape | DeepCopyOp | ViewOp):
+        if isinstance(op, SpecifyShape | DeepCopyOp | ViewOp | SpecifyAssumptions):
             v = v.owner.inputs[0]
         elif isinstance(op, Elemwise) and isinstance(op.scalar_op, ps.Cast | ps.Identity):
             v = v.owner.inputs[0]
@@ -64,32 +97,9 @@ def _core(v):
     return v
 
 
-def _op(v):
-    op = v.owner.op if v.owner is not None else None
-    return op.core_op if isinstance(op, Blockwise) else op
-
-
-def _scalar_op(v):
-    op = _op(v)
-    return op.scalar_op if isinstance(op, Elemwise) else None
-
-
-def _is_broadcast_scalar(v):
-    """``v`` is a scalar broadcast to a matrix (``ExpandDims``) or a 0-d / size-1 value."""
-    v = _core(v)
-    if v.type.ndim == 0 or all(v.type.broadcastable):
-        return True
-    return isinstance(_op(v), DimShuffle) and _core(v.owner.inputs[0]).type.ndim == 0
-
-
-def _transposed(v):
-    """``x`` if ``v`` is ``x.T`` (a matrix transpose, or ``x.mT`` of a batch of matrices), else None."""
-    op = _op(v)
-    if isinstance(op, DimShuffle):
-        nd = op.input_ndim
-        if nd >= 2 and tuple(op.new_order) == (*range(nd - 2), nd - 1, nd - 2):
-            return _core(v.owner.inputs[0])
-    return None
+def _scalar_like(x):
+    """``x`` is the same value at every entry of a matrix it broadcasts to (a 0-d or 1 x 1 value)."""
+    return x.type.ndim == 0 or (x.type.ndim >= 2 and all(x.type.broadcastable[-2:])) or x.type.shape[-2:] == (1, 1)
 
 
 @lru_cache(maxsize=4096)
@@ -101,16 +111,15 @@ def is_nonneg(v) -> bool:
         return data.dtype.kind in "biuf" and bool(np.all(~(data < 0)))
     if v.owner is None:
         return False
-    op = _op(v)
-    if isinstance(op, DimShuffle | Reshape | Subtensor | AdvancedSubtensor | ExtractDiag):
-        return is_nonneg(v.owner.inputs[0])  # a rearrangement of the same entries
-    s = _scalar_op(v)
-    if s is None:
-        if isinstance(op, Eye):
-            return True  # zeros and ones
-        if isinstance(op, Alloc) or _diag_of(v) is not None:
-            return is_nonneg(v.owner.inputs[0])
+    op = v.owner.op
+    op = getattr(op, "core_op", op)
+    if isinstance(op, DimShuffle | Reshape | Subtensor | AdvancedSubtensor | ExtractDiag | AllocDiag | Alloc):
+        return is_nonneg(v.owner.inputs[0])  # a rearrangement of the same entries (and zeros)
+    if isinstance(op, Eye):
+        return True
+    if not isinstance(op, Elemwise):
         return False
+    s = op.scalar_op
     if isinstance(s, _NONNEG_UNARY):
         return True
     if isinstance(s, ps.Pow):
@@ -127,161 +136,206 @@ def is_nonneg(v) -> bool:
     return False
 
 
-def _diag_of(v):
-    """The vector ``x`` if ``v`` is ``diag(x)`` (an ``AllocDiag`` with offset 0), else None."""
-    op = _op(v)
-    if op is not None and type(op).__name__ == "AllocDiag" and getattr(op, "offset", 0) == 0:
-        return v.owner.inputs[0]
-    return None
+def _feature(v):
+    """Facts on the graph of ``v`` alone: they come from how ``v`` is built, not from the rest of the user's graph."""
+    feature = AssumptionFeature()
+    FunctionGraph(outputs=[v], clone=False).attach_feature(feature)
+    return feature
 
 
-def _is_lyapunov(op):
-    # iterops' solver returns NaN for an unstable A, so its solution is PSD whenever Q is
-    return type(op).__name__ == "DiscreteLyapunov"
-
-
-def _diagonal_write(v):
-    """``(base, values)`` if ``v`` writes ``values`` at diagonal positions of ``base`` only, else None."""
-    op = _op(v)
-    if isinstance(op, AdvancedIncSubtensor):
-        base, values, *idx = v.owner.inputs
-        if len(idx) == 2:
-            i, j = (_core(x) for x in idx)
-            if i is j or (isinstance(i, Constant) and isinstance(j, Constant)
-                          and np.array_equal(np.asarray(i.data), np.asarray(j.data))):
-                return base, values
-    elif isinstance(op, IncSubtensor):
-        base, values, *rest = v.owner.inputs
-        idx = indices_from_subtensor(rest, op.idx_list)
-        if len(idx) == 2 and not any(isinstance(x, slice) for x in idx):
-            i, j = (_core(x) if hasattr(x, "owner") else x for x in idx)
-            if i is j or (isinstance(i, Constant) and isinstance(j, Constant) and np.asarray(i.data) == np.asarray(j.data)):
-                return base, values
-    return None
-
-
-def _full_write(v):
-    """``(base, values)`` if ``v`` writes ``values`` over the whole matrix ``base[:, :]``, else None."""
-    op = _op(v)
-    if isinstance(op, IncSubtensor):
-        base, values, *rest = v.owner.inputs
-        idx = indices_from_subtensor(rest, op.idx_list)
-        if len(idx) <= 2 and all(isinstance(x, slice) and x == slice(None) for x in idx):
-            return base, values
-    return None
-
-
-def _constant_data(v):
-    """The value of ``v`` if it is a constant, or a constant read with constant indices (``C[0]``), else None."""
-    v = _core(v)
-    if isinstance(v, Constant):
-        return np.asarray(v.data)
-    op = _op(v)
-    if isinstance(op, Subtensor) and isinstance(_core(v.owner.inputs[0]), Constant):
-        idx = indices_from_subtensor(v.owner.inputs[1:], op.idx_list)
-        try:
-            key = tuple(slice(*(None if x is None else int(get_underlying_scalar_constant_value(x))
-                                for x in (i.start, i.stop, i.step))) if isinstance(i, slice)
-                        else int(get_underlying_scalar_constant_value(i)) for i in idx)
-        except (NotScalarConstantError, TypeError, ValueError):
-            return None
-        return np.asarray(_core(v.owner.inputs[0]).data)[key]
-    return None
-
-
-@lru_cache(maxsize=4096)
-def _facts(v) -> tuple[bool, bool, bool]:
-    """``(symmetric, psd, diagonal)`` for the matrix ``v`` (last two axes)."""
-    v = _core(v)
-    no = (False, False, False)
-    if v.type.ndim < 2:
-        return no
-    if v.type.shape[-2:] == (1, 1):
-        return True, is_nonneg(v), True  # a 1 x 1 matrix
-    if (data := _constant_data(v)) is not None:
-        data = np.asarray(data, dtype=float)
-        if data.shape[-1] != data.shape[-2]:
-            return no
-        sym = bool(np.array_equal(data, np.swapaxes(data, -1, -2)))
-        diag = sym and bool(np.array_equal(data, data * np.eye(data.shape[-1])))
-        psd = sym and bool(np.all(np.linalg.eigvalsh(data) >= 0)) if np.all(np.isfinite(data)) else False
-        return sym, psd, diag
-    if v.owner is None:
-        return no
-    op = _op(v)
-    if isinstance(op, Eye):
-        n, m, k = (_core(x) for x in v.owner.inputs)
-        ok = isinstance(k, Constant) and int(np.asarray(k.data)) == 0 and (n is m or (
-            isinstance(n, Constant) and isinstance(m, Constant) and np.asarray(n.data) == np.asarray(m.data)))
-        return (ok, ok, ok)
-    if isinstance(op, Alloc) and len(v.owner.inputs) >= 3 and _is_broadcast_scalar(v.owner.inputs[0]):
-        value, *shape = v.owner.inputs
-        n, m = (_core(x) for x in shape[-2:])
-        if not (n is m or (isinstance(n, Constant) and isinstance(m, Constant)
-                           and np.asarray(n.data) == np.asarray(m.data))):
-            return no
-        c = _core(value)
-        zero = isinstance(c, Constant) and bool(np.all(np.asarray(c.data) == 0))
-        return True, is_nonneg(value), zero  # every entry the same value
-    if (x := _diag_of(v)) is not None:
-        return True, is_nonneg(x), True
-    if (x := _transposed(v)) is not None:
-        return _facts(x)
-    if isinstance(op, Dot):
-        return _product_facts(v)
-    if (w := _diagonal_write(v)) is not None:
-        sym, psd, diag = _facts(w[0])
-        pos = is_nonneg(w[1])
-        return sym, psd and diag and pos, diag
-    if (w := _full_write(v)) is not None:
-        if _is_broadcast_scalar(w[1]):
-            return True, is_nonneg(w[1]), False  # every entry the same value
-        return _facts(w[1])
-    if _is_lyapunov(op):
-        q = v.owner.inputs[1]
-        sym, psd, _ = _facts(q)
-        return sym, psd, False
-    s = _scalar_op(v)
-    if s is None:
-        return no
-    ins = v.owner.inputs
-    mats = [x for x in ins if not _is_broadcast_scalar(x)]
-    if isinstance(s, ps.Add) and len(ins) == 2 and (t := _transposed(ins[1])) is not None and t is _core(ins[0]):
-        return True, False, False  # X + X.T
-    facts = [_facts(x) for x in mats]
-    sym = bool(mats) and all(f[0] for f in facts)
-    diag = sym and all(f[2] for f in facts) and isinstance(s, ps.Add | ps.Mul | ps.Sub | ps.Neg)
-    if isinstance(s, ps.Add):
-        psd = sym and all(f[1] for f in facts) and all(is_nonneg(x) for x in ins if _is_broadcast_scalar(x))
-    elif isinstance(s, ps.Mul):
-        psd = sym and len(mats) == 1 and facts[0][1] and all(is_nonneg(x) for x in ins if x not in mats)
-    else:
-        psd = False
-    return sym, psd, diag
-
-
-def _product_facts(v):
-    """``X @ X.T`` (PSD), ``X @ S @ X.T`` (symmetric / PSD as ``S``), products of diagonal matrices."""
-    a, b = (_core(x) for x in v.owner.inputs)
-    if (t := _transposed(b)) is not None:
-        if t is a:
-            return True, True, False
-        if a.owner is not None and isinstance(_op(a), Dot):
-            x, s = (_core(y) for y in a.owner.inputs)
-            if x is t:
-                sym, psd, _ = _facts(s)
-                return sym, psd, False
-    fa, fb = _facts(a), _facts(b)
-    if fa[2] and fb[2]:
-        return True, False, True
-    return False, False, False
+def _symmetric(feature, x):
+    return feature.check(x, SYMMETRIC) or feature.check(x, PSD)
 
 
 def is_symmetric(v) -> bool:
-    """``v`` (a square matrix) equals its transpose for every input."""
-    return _facts(v)[0]
+    """``v`` (square, last two axes) equals its transpose, by declaration or proof."""
+    if v.type.ndim >= 2 and v.type.shape[-2:] == (1, 1):
+        return True
+    if isinstance(c := _core(v), Constant):
+        return _symmetric_constant(c) is FactState.TRUE
+    return _symmetric(_feature(v), v)
 
 
 def is_psd(v) -> bool:
-    """``v`` is symmetric positive semi-definite for every input (in exact arithmetic)."""
-    return _facts(v)[1]
+    """``v`` is symmetric positive semi-definite, by declaration (``positive_definite``,
+    ``positive_semidefinite``) or proof (in exact arithmetic)."""
+    if _scalar_like(v) and v.type.ndim >= 2:
+        return is_nonneg(v)
+    return _feature(v).check(v, PSD)
+
+
+# ---------------------------------------------------------------------------
+# rules
+# ---------------------------------------------------------------------------
+
+
+def _psd(feature, x):
+    """``x`` is PSD as an operand of an entrywise operation (a scalar-like value: >= 0)."""
+    if _scalar_like(x):
+        return is_nonneg(x)
+    return x.type.ndim >= 2 and feature.check(x, PSD)
+
+
+def _symmetric_constant(var):
+    data = np.asarray(var.data)
+    if data.ndim < 2 or data.shape[-1] != data.shape[-2] or data.dtype.kind not in "biufc":
+        return FactState.UNKNOWN
+    return true_if(bool(np.array_equal(data, np.swapaxes(data, -1, -2))), else_false=True)[0]
+
+
+def _psd_constant(var):
+    data = np.asarray(var.data)
+    if data.ndim < 2 or data.shape[-1] != data.shape[-2] or data.dtype.kind not in "biuf":
+        return FactState.UNKNOWN
+    data = data.astype(float)
+    if not (np.all(np.isfinite(data)) and np.array_equal(data, np.swapaxes(data, -1, -2))):
+        return FactState.UNKNOWN
+    return true_if(bool(np.all(np.linalg.eigvalsh(data) >= 0)))[0]
+
+
+register_constant_inference(PSD, _psd_constant)
+register_matrix_property_rules(PSD)  # batch views, reshapes, Alloc along batch axes, set_subtensor
+register_assumption(PSD, Eye)(eye_identity_rule)
+
+
+@register_assumption(PSD, SpecifyAssumptions)
+def _declared_positive_definite(key, op, feature, fgraph, node, input_states):
+    return true_if(any(k == POSITIVE_DEFINITE and s is FactState.TRUE for k, s in op.assumptions))
+
+
+@register_assumption(PSD, DeepCopyOp, ViewOp)
+def _same_value(key, op, feature, fgraph, node, input_states):
+    return [input_states[0]]
+
+
+@register_assumption(PSD, AllocDiag)
+@alloc_diag_rule
+def _alloc_diag(key, op, feature, fgraph, node, input_states):
+    return true_if(op.offset == 0 and is_nonneg(node.inputs[0]))
+
+
+def _same_size(n, m):
+    n, m = _core(n), _core(m)
+    return n is m or (isinstance(n, Constant) and isinstance(m, Constant) and np.asarray(n.data) == np.asarray(m.data))
+
+
+@register_assumption(PSD, Alloc)
+def _alloc_fill(key, op, feature, fgraph, node, input_states):
+    """``c`` at every entry of a square matrix: ``c 1 1^T``, PSD for ``c >= 0``."""
+    value, *shape = node.inputs
+    return true_if(len(shape) >= 2 and _scalar_like(value) and _same_size(*shape[-2:]) and is_nonneg(value))
+
+
+@register_assumption(PSD, DimShuffle)
+def _transpose(key, op, feature, fgraph, node, input_states):
+    return true_if(op.is_matrix_transpose and input_states[0] is FactState.TRUE)
+
+
+@register_assumption(PSD, Dot)
+def _gram(key, op, feature, fgraph, node, input_states):
+    """``X X^T``, ``X^T X``; ``M S M^T`` with ``S`` PSD (real matrices)."""
+    a, b = node.inputs
+    if a.type.dtype.startswith("complex"):
+        return [FactState.UNKNOWN]
+    if conjugate_transpose_input(b) is a or conjugate_transpose_input(a) is b:
+        return [FactState.TRUE]
+    s = match_congruence(node)
+    return true_if(s is not None and _psd(feature, s))
+
+
+@register_assumption(PSD, Elemwise)
+def _entrywise(key, op, feature, fgraph, node, input_states):
+    """Sums and (Schur) products of PSD matrices and non-negative scalars; ``S / c``; casts."""
+    s, ins = op.scalar_op, node.inputs
+    if node.outputs[0].type.ndim < 2:
+        return [FactState.UNKNOWN] * len(node.outputs)
+    if isinstance(s, ps.Cast | ps.Identity):
+        return [input_states[0]]
+    if isinstance(s, ps.Mul):
+        # a column times its transpose, broadcast: the outer product x x^T
+        ins, pairs = _without_transpose_pairs(_factors(node.outputs[0]), column=True)
+        return true_if((pairs or any(not _scalar_like(x) for x in ins)) and all(_psd(feature, x) for x in ins))
+    if isinstance(s, ps.Add):
+        return true_if(any(not _scalar_like(x) for x in ins) and all(_psd(feature, x) for x in ins))
+    if isinstance(s, ps.TrueDiv):
+        return true_if(_psd(feature, ins[0]) and _scalar_like(ins[1]) and is_nonneg(ins[1]))
+    return [FactState.UNKNOWN]
+
+
+def _factors(x):
+    """The operands of the (nested) entrywise product ``x``."""
+    if x.owner is not None and isinstance(x.owner.op, Elemwise) and isinstance(x.owner.op.scalar_op, ps.Mul):
+        return [f for i in x.owner.inputs for f in _factors(i)]
+    return [x]
+
+
+def _without_transpose_pairs(ins, column=False):
+    """``ins`` without the pairs ``(X, X.T)`` (``X`` a column, shape ``(n, 1)``, if ``column``), and how many."""
+    rest, pairs = list(ins), 0
+    for x in ins:
+        t = conjugate_transpose_input(x)
+        if t is None or x not in rest or t not in rest or (column and t.type.shape[-1:] != (1,)):
+            continue
+        rest.remove(x)
+        rest.remove(t)
+        pairs += 1
+    return rest, pairs
+
+
+def _diagonal_write(node):
+    """``(base, values)`` if ``node`` writes ``values`` at diagonal positions of ``base`` only, else None."""
+    op = node.op
+    base, values, *idx = node.inputs
+    if isinstance(op, IncSubtensor):
+        idx = indices_from_subtensor(idx, op.idx_list)
+        if any(isinstance(x, slice) for x in idx):
+            return None
+    elif not isinstance(op, AdvancedIncSubtensor):
+        return None
+    if len(idx) != 2 or base.type.ndim != 2:
+        return None
+    i, j = (_core(x) if hasattr(x, "owner") else x for x in idx)
+    if i is j or (isinstance(i, Constant) and isinstance(j, Constant)
+                  and np.array_equal(np.asarray(i.data), np.asarray(j.data))):
+        return base, values
+    return None
+
+
+@register_assumption(SYMMETRIC, IncSubtensor, AdvancedIncSubtensor)
+def _symmetric_diagonal_write(key, op, feature, fgraph, node, input_states):
+    """Setting or adding to diagonal entries keeps a matrix symmetric."""
+    return true_if(_diagonal_write(node) is not None and input_states[0] is FactState.TRUE)
+
+
+@register_assumption(PSD, IncSubtensor, AdvancedIncSubtensor)
+def _psd_write(key, op, feature, fgraph, node, input_states):
+    """``inc`` of a PSD matrix over the whole matrix (PSD + PSD), or ``values >= 0`` on the diagonal:
+    ``inc`` adds ``diag(values)``; ``set`` replaces the diagonal, PSD only if the base is diagonal."""
+    if (w := _diagonal_write(node)) is not None:
+        base, values = w
+        ok = input_states[0] is FactState.TRUE and is_nonneg(values)
+        return true_if(ok and (not op.set_instead_of_inc or feature.check(base, DIAGONAL)))
+    if isinstance(op, IncSubtensor) and not op.set_instead_of_inc and all(
+            x == slice(None) for x in op.idx_list[-2:]) and len(op.idx_list) >= min(2, node.inputs[0].type.ndim):
+        return true_if(input_states[0] is FactState.TRUE and _psd(feature, node.inputs[1]))
+    return [FactState.UNKNOWN]
+
+
+def _all_inputs(test):
+    def rule(key, op, feature, fgraph, node, input_states):
+        return true_if(all(test(feature, x, key) for x in node.inputs))
+    return rule
+
+
+_blocks_have_key = _all_inputs(lambda feature, x, key: feature.check(x, key))
+register_assumption(PSD, BlockDiagonal, KroneckerProduct)(_all_inputs(lambda feature, x, key: _psd(feature, x)))
+# iterops' Ops: block_diag of a stack of blocks; the Lyapunov solution is symmetric for a symmetric Q
+# wherever the equation has a unique solution (elsewhere the solver returns NaN), PSD only for a stable A
+register_assumption(PSD, BlockDiag)(_blocks_have_key)
+for _key in (SYMMETRIC, POSITIVE_DEFINITE, DIAGONAL):
+    register_assumption(_key, BlockDiag)(_blocks_have_key)
+
+
+@register_assumption(SYMMETRIC, DiscreteLyapunov, SolveBilinearDiscreteLyapunov)
+def _lyapunov_symmetric(key, op, feature, fgraph, node, input_states):
+    return true_if(_symmetric(feature, node.inputs[1]))

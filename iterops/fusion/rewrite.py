@@ -1,6 +1,6 @@
 """The Scan-to-fused-Op rewrite and its registration with PyTensor.
 
-Registered (tag ``"iterops"``; ``mode.excluding("iterops")`` disables all):
+Registered by :mod:`iterops.rewrites` (tag ``"iterops"``; ``mode.excluding("iterops")`` disables all):
 
 * ``iterops_fuse_loops`` in ``optdb`` at position 0.04 (tags ``fast_run``,
   ``fast_compile``): before the Scan push-outs (0.05) rewrite the user's loop,
@@ -49,17 +49,15 @@ import logging
 from contextlib import contextmanager
 
 import pytensor.tensor as pt
-from pytensor.compile import optdb
 from pytensor.configdefaults import config
-from pytensor.raise_op import CheckAndRaise
 from pytensor.graph.rewriting.basic import GraphRewriter, NodeRewriter, copy_stack_trace, dfs_rewriter
 from pytensor.scan.op import Scan
 
 from iterops.fusion.gradient import fuse_with_gradients
-from iterops.fusion.matcher import initial_value, match_scan
+from iterops.fusion.matcher import initial_value, match_scan, may_match
 from iterops.fusion.registry import PATTERNS
 
-__all__ = ["fuse_scan", "replacements_for", "disabled", "set_enabled", "is_enabled"]
+__all__ = ["fuse_scan", "FuseLoopsEverywhere", "replacements_for", "disabled", "set_enabled", "is_enabled"]
 
 _log = logging.getLogger("iterops.fusion")
 
@@ -104,26 +102,15 @@ def _describe_scan(node) -> str:
     return f"Scan{{{name}}}" if name else "Scan"
 
 
-#: PyTensor's Scan raises on a negative ``n_steps``; the fused Ops would run 0 steps
-_NEGATIVE_STEPS = CheckAndRaise(IndexError, "Scan was asked to run for a negative number of steps")
-#: an index that is out of bounds when the loop ran 0 steps (e.g. ``out[-1:][0]``)
-_NO_STEP = CheckAndRaise(IndexError, "index out of bounds: the loop ran 0 steps")
-
-
 def _raise_as_the_loop(match, value, kind):
     """``value`` guarded so that the rewritten graph raises where the user's loop raises.
 
     Scan raises on ``n_steps < 0``.  A loop of 0 steps raises only where the
     user's index is out of bounds then (``"last_nonempty"`` uses):
     PyTensor reads ``out[-1]`` of an empty trace as the initial value, and so
-    do the replacements.  Checks that a constant ``n_steps`` proves are left out.
+    do the replacements.
     """
-    c = match.n_steps_value()
-    if c is None or c < 0:  # a constant negative n_steps: the loop raises when it runs, and so must this
-        value = _NEGATIVE_STEPS(value, pt.ge(match.n_steps, 0))
-    if kind == "last_nonempty" and (c is None or c < 1):
-        value = _NO_STEP(value, pt.ge(match.n_steps, 1))
-    return value
+    return match.require_steps(value, 1 if kind == "last_nonempty" else 0)
 
 
 def replacements_for(match) -> dict:
@@ -197,6 +184,12 @@ class FuseScan(NodeRewriter):
         if not _ENABLED or not isinstance(node.op, Scan):
             return None
         try:
+            if not may_match(node, PATTERNS.values()):  # cached per Scan op: the usual answer, at no cost
+                return None
+        except Exception:  # a failed analysis must never break compilation
+            _log.debug("iterops fusion failed on %s", node, exc_info=True)
+            return None
+        try:
             pair = fuse_with_gradients(fgraph, node)
         except Exception as err:  # a failed match must never break compilation
             _log.debug("iterops gradient fusion failed on %s", node, exc_info=True)
@@ -260,11 +253,3 @@ class FuseLoopsEverywhere(GraphRewriter):
 
     def __str__(self):
         return "iterops_fuse_loops"
-
-
-def register():
-    """Register the rewrites with PyTensor's optimizer database (idempotent)."""
-    if "iterops_fuse_loops" in optdb.__db__:
-        return
-    optdb.register("iterops_fuse_loops", FuseLoopsEverywhere(), *_TAGS, position=0.04)
-    optdb["canonicalize"].register("iterops_fuse_loops", fuse_scan, *_TAGS)

@@ -77,7 +77,7 @@ and for the damped loop, with ``Ybar = w Xbar_{k+1}`` and ``Y_k`` from the kept 
 ``Q_bar`` and ``A_bar`` as above with ``Ybar`` for ``X_bar_{k+1}``;
 ``tol`` gets a zero gradient, ``n_steps`` none (disconnected).  First-order
 reverse mode only: forward mode and second derivatives are not implemented
-(the gradient Ops raise PyTensor's ``NullTypeGradError`` when differentiated).
+(the gradient Ops raise ``NotImplementedError`` when differentiated).
 """
 
 from __future__ import annotations
@@ -89,8 +89,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 import pytensor.tensor as pt
-from pytensor.gradient import DisconnectedType, disconnected_type, grad_not_implemented
-from pytensor.compile import optdb
+from pytensor.gradient import DisconnectedType, disconnected_type
 from pytensor.graph.basic import Apply
 from pytensor.graph.rewriting.basic import copy_stack_trace, node_rewriter
 from pytensor.tensor.exceptions import ShapeError
@@ -101,6 +100,7 @@ from iterops._fused import (
     FusedOp, OpaqueKernel, apply_batched, data_ptr, entry_point, keep_alive, register_fused_op,
 )
 from iterops._linalg_kernels import copy_into
+from iterops._second_order import not_twice_differentiable
 from iterops._validate import as_tensor, check_dim_match, check_shape, check_square, float_dtype
 
 __all__ = [
@@ -967,15 +967,14 @@ def share_fixed_point_trace(fgraph, node):
     return {fwd.outputs[0]: X, **dict(zip(node.outputs, bars))}
 
 
-optdb["specialize"].register("iterops_share_fixed_point_trace", share_fixed_point_trace, "numba", "iterops")
+# registered in iterops.rewrites
 
 
 def _not_differentiable(op, inputs):
-    msg = "Second derivatives of iterops' Lyapunov loops are not implemented."
-    return [
-        disconnected_type() if x.type.dtype.startswith("int") else grad_not_implemented(op, i, x, msg)
-        for i, x in enumerate(inputs)
-    ]
+    func = "smith_doubling_loop" if isinstance(op, SmithDoublingLoopGrad) else "lyapunov_fixed_point_loop"
+    names = [name for name, x in zip(("A", "Q", "X0"), inputs[:3]) if x.type.ndim >= 2]
+    not_twice_differentiable(op, f"iterops.linalg.{func}", names,
+                             "iterops.solve_discrete_lyapunov (the same fixed point) differentiates twice.")
 
 
 # ---------------------------------------------------------------------------

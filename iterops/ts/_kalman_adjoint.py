@@ -6,6 +6,9 @@ Each step's forward quantities are recomputed from the stored predictions (``pre
 
     predict_vjp -> loglik_vjp -> update_vjp -> observe_vjp
 
+(one observable: the rank-one update and its merged reverse, :func:`~iterops.ts._kalman_steps.update_vjp_one`,
+recomputed in O(m nnz(Z) + m^2) per step)
+
 with the output cotangents of a step joining where their output is made.  Over a steady-state
 stretch the gain terms cancel (up to the covariance jitter's, which stay linear in the covariance
 cotangent) and the covariance cotangents of the whole stretch follow from one Lyapunov equation
@@ -23,12 +26,12 @@ import numba
 import numpy as np
 
 from iterops._fused import keep_alive
-from iterops._linalg_kernels import borrowed, cho_inverse, congruence, copy_into, matmul, sym_into
+from iterops._linalg_kernels import borrowed, carve, cho_inverse, congruence, copy_into, matmul, sym_into
 from iterops.linalg.lyapunov import _doubling
 from iterops.ts._kalman_steps import (
     System, closed_loop, find_structure, fully_observed, innovation, loglik, loglik_vjp, observe, observe_vjp,
     predict_cov_vjp, predict_vjp, reverse_work, rq_vjp, static_cov, static_rq, structure, system_at, ti,
-    update_cov, update_mean, update_vjp, update_work, varies_over_time,
+    update_cov, update_mean, update_vjp, update_vjp_one, update_work, varies_over_time,
 )
 
 __all__ = ["Cotangents", "InputCotangents", "kalman_adjoint_kernel"]
@@ -103,14 +106,20 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad):
     rw, rw_own = reverse_work(m, p)
     obs, _, _, Zo, _, L, K, w = ws
     G, W, _, Pf_bar, af_bar, _, _, Finv, Fo_bar, X_bar, XZ, vo_bar, a_bar_new, P_bar_new = rw
-    v, F, af, Pf = np.empty(p), np.empty((p, p)), np.empty(m), np.empty((m, m))  # the recomputed step
-    abar, Pbar = _entering_cotangents(cot, n, m)  # of the prediction entering the current step
+    mm, o = m * m, p + p * p + m
+    buf = np.empty(p + p * p + 2 * m + 9 * mm + m * p)  # one allocation, carved
+    v, F, af, Pf = carve(buf, 0, (p,)), carve(buf, p, (p, p)), carve(buf, p + p * p, (m,)), carve(buf, o, (m, m))
+    abar, Pbar = carve(buf, o + mm, (m,)), carve(buf, o + mm + m, (m, m))  # of the prediction entering the step
+    _entering_cotangents(cot, n, abar, Pbar)
     jitter, sum_rq = options.jitter, static_rq(system)
+    o += 2 * mm + m
     cache = _SteadyCache(
-        np.empty((m, m)), np.empty((m, m)), np.empty((m, m)), L, K, Finv, Pf, np.empty((m, p)), np.empty((m, m)),
-        np.empty((m, m)), np.empty((m, m)), jitter,
+        carve(buf, o, (m, m)), carve(buf, o + mm, (m, m)), carve(buf, o + 2 * mm, (m, m)), L, K, Finv, Pf,
+        carve(buf, o + 3 * mm, (m, p)), carve(buf, o + 3 * mm + m * p, (m, m)),
+        carve(buf, o + 4 * mm + m * p, (m, m)), carve(buf, o + 5 * mm + m * p, (m, m)), jitter,
     )
-    Grq = np.zeros((m, m))  # sum of G over the steps, for static R and Q
+    Grq = carve(buf, o + 6 * mm + m * p, (m, m))  # sum of G over the steps, for static R and Q
+    Grq[:, :] = 0.0
     fast = static_cov(system)
     cached = False  # the work arrays hold the update of cache.P, fully observed (fast only)
     vary = varies_over_time(system)
@@ -120,7 +129,8 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad):
     restructure = system.T.shape[0] > 1 or system.Z.shape[0] > 1
     t = n - 1
     while t >= 0:
-        if cached and fully_observed(y, t, options) and _row_same(Pp, t, cache.P):
+        if cached and fully_observed(y, t, options) and _row_same(Pp, t, Pp[t + 1]):
+            copy_into(Pp[t + 1], cache.P)
             _steady_cache(system.T[0], Zo, cache)  # the work arrays still hold cache.P's update
             t = _steady_adjoint_run(t, y, system, options, ap, Pp, cot, grad, abar, Pbar, Grq, cache, sx)
             continue
@@ -140,13 +150,17 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad):
         update_mean(a, v, obs, k, K, af)
         # predict (a_f_bar starts from the cotangent of filtered_state[t], P_f_bar gets filtered_cov[t]'s)
         _row_or_zero(cot.filtered_state, t, af_bar)
-        predict_vjp(abar, Pbar, af, Pf, st, gst, sum_rq, Grq, G, W, Pf_bar, af_bar, sx)
+        predict_vjp(abar, Pbar, af, Pf, st, gst, sum_rq, Grq, G, W, Pf_bar, af_bar, sx, rw.S)
         if _has(cot.filtered_cov):
             Pf_bar += cot.filtered_cov[t]
         # loglik (ll_bar: loglik's and loglik_obs[t]'s), update (X_bar starts from forecast_error_cov[t]'s)
         loglik_vjp(cot.loglik + (cot.loglik_obs[t] if _has(cot.loglik_obs) else 0.0), k, w, Finv, vo_bar, Fo_bar)
         _row_or_zero(cot.forecast_error_cov, t, X_bar)
-        update_vjp(a, v, st.Z, jitter, k, ws, rw, gst.Z, gst.H)
+        one = p == 1 and k == 1
+        if one:  # writes the symmetrized cotangent of P_t into Pbar directly
+            update_vjp_one(v[0], st.Z, jitter, ws, rw, gst.H, Pbar)
+        else:
+            update_vjp(a, v, st.Z, jitter, k, ws, rw, gst.Z, gst.H)
         # observe (v_bar gets forecast_error[t]'s); a_t, P_t get predicted_state[t]'s, predicted_cov[t]'s
         if _has(cot.forecast_error):
             for i in range(k):
@@ -154,16 +168,20 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad):
         observe_vjp(a, k, obs, Zo, vo_bar, XZ, a_bar_new, grad.y[t], gst.d, gst.Z)
         for i in range(m):
             abar[i] = a_bar_new[i] + (cot.predicted_state[t, i] if _has(cot.predicted_state) else 0.0)
-        _carry_cov(P_bar_new, t, cot.predicted_cov, Pbar)
+        if not one:
+            _carry_cov(P_bar_new, t, cot.predicted_cov, Pbar)
+        elif _has(cot.predicted_cov):
+            for i in range(m):
+                for j in range(m):
+                    Pbar[i, j] += cot.predicted_cov[t, i, j]
+        # the cache (P = Pp[t], copied when a steady stretch follows) only then: it costs two m^3 products
         cached = fast and k == p
-        if cached:  # the rest of the cache only when a steady stretch follows (it costs two m^3 products)
-            copy_into(Pp[t], cache.P)
         t -= 1
     if sum_rq:
         rq_vjp(Grq, system.R[0], system.Q[0], grad.system.R[0], grad.system.Q[0])
     copy_into(abar, grad.a0)
     copy_into(Pbar, grad.P0)
-    keep_alive((ws_own, rw_own, sx_own))
+    keep_alive((ws_own, rw_own, sx_own, buf))
 
 
 @numba.njit(cache=True, inline="always")
@@ -192,16 +210,17 @@ def _fill(grad, value):
 
 
 @numba.njit(cache=True, inline="always")
-def _entering_cotangents(cot, n, m):
-    """Cotangents of ``a_n, P_n`` (the last prediction): those of ``predicted_state[n]``,
+def _entering_cotangents(cot, n, abar, Pbar):
+    """``abar, Pbar`` = the cotangents of ``a_n, P_n`` (the last prediction): those of ``predicted_state[n]``,
     ``predicted_cov[n]``, or 0."""
-    abar = np.zeros(m)
-    Pbar = np.zeros((m, m))
     if _has(cot.predicted_state):
         copy_into(cot.predicted_state[n], abar)
+    else:
+        abar[:] = 0.0
     if _has(cot.predicted_cov):
         copy_into(cot.predicted_cov[n], Pbar)
-    return abar, Pbar
+    else:
+        Pbar[:, :] = 0.0
 
 
 @numba.njit(cache=True, inline="always")
@@ -493,7 +512,7 @@ def _steady_flush(Tt, Zt, cache, sums, gT, gZ, gH, Grq, sx):
     p = Zt.shape[0]
     Gs, Ss, Xs, Ms = sums
     P, K, Pf, j = cache.P, cache.K, cache.Pf, cache.j
-    predict_cov_vjp(Gs, Tt, Pf, gT, Ss, 1.0, np.empty((m, m)), sx)  # Ss <- S
+    predict_cov_vjp(Gs, Tt, Pf, gT, Ss, 1.0, np.empty((m, m)), sx, np.empty((m, m)))  # Ss <- S
     Psum = np.empty((m, m))
     for i in range(m):
         for l in range(m):

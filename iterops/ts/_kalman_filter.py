@@ -16,11 +16,11 @@ import numba
 import numpy as np
 
 from iterops._fused import keep_alive
-from iterops._linalg_kernels import copy_into, sym_into
+from iterops._linalg_kernels import all_finite, carve, copy_into, sym_finite, sym_into
 from iterops.ts._kalman_steps import (
     AUTO, LOG_2PI, MULTIVARIATE, UNIVARIATE, _innovation_cov, diagonal, find_structure, fully_observed, innovation,
     loglik, observe, predict_cov, predict_mean, prefers_univariate, rqr, static_cov, static_rq, structure,
-    system_at, ti, update_cov, update_mean, update_univariate, update_work, varies_over_time,
+    system_at, ti, update_cov, update_mean, update_one, update_univariate, update_work, varies_over_time,
 )
 
 __all__ = ["FilterOutputs", "filter_outputs", "kalman_filter_kernel", "filter_into"]
@@ -95,9 +95,8 @@ def filter_into(y, a0, P0, system, options, out, univariate, need_F):
     copy_into(P0, Pp[0])
     ws, ws_own = update_work(m, p)
     obs, L, K, w = ws.obs, ws.L, ws.K, ws.w
-    W = np.empty((m, m))
-    RQ = np.empty((m, r))
-    RQR = np.empty((m, m))
+    buf = np.empty(2 * m * m + m * r)  # one allocation, carved
+    W, RQR, RQ = carve(buf, 0, (m, m)), carve(buf, m * m, (m, m)), carve(buf, 2 * m * m, (m, r))
     static = static_cov(system)
     sum_rq = static_rq(system)
     sx, sx_own = structure(m, p)  # nonzero indexes of T and Z: once, or every step when one varies
@@ -106,6 +105,7 @@ def filter_into(y, a0, P0, system, options, out, univariate, need_F):
     if sum_rq:
         rqr(system.R[0], system.Q[0], RQ, RQR)
     steady = False  # P_{t} passed the convergence test at step t - 1
+    p_fin = -1  # P_t finite: 1 / 0, -1 not known
     vary = varies_over_time(system)
     st = system_at(system, 0)  # step t's matrices
     uni = univariate == UNIVARIATE or (univariate == AUTO and prefers_univariate(m, p, need_F))
@@ -121,6 +121,7 @@ def filter_into(y, a0, P0, system, options, out, univariate, need_F):
             if uni and system.H.shape[0] > 1:
                 uni_h = diagonal(st.H)
         v, F, af, Pf = out.forecast_error[t], out.forecast_error_cov[t], out.filtered_state[t], out.filtered_cov[t]
+        pf = -1  # P_f finite: 1 / 0, -1 not known
         k = observe(ap[t], y[t], st.d, st.Z, options, v, obs)
         if uni_h and not steady:  # F for the output only; the update one component at a time
             if need_F:
@@ -130,7 +131,17 @@ def filter_into(y, a0, P0, system, options, out, univariate, need_F):
                 F[:, :] = np.nan
             ok, ll = update_univariate(ap[t], Pp[t], v, st.Z, st.H, options.jitter, k, ws, af, Pf, sx)
         else:
-            ok, logdet = update_cov(Pp[t], st.Z, st.H, options.jitter, k, ws, F, Pf, sx)
+            if p == 1 and k == 1:  # the rank-one update, on P_t itself (exactly symmetric but for P0)
+                if t == 0:
+                    fin = sym_finite(Pp[0], ws.Ps)
+                    Pt = ws.Ps
+                else:
+                    fin = all_finite(Pp[t]) if p_fin < 0 else p_fin == 1
+                    Pt = Pp[t]
+                ok, logdet, pf_fin = update_one(Pt, fin, st.Z, st.H, options.jitter, ws, F, Pf, sx)
+                pf = 1 if pf_fin else 0
+            else:
+                ok, logdet = update_cov(Pp[t], st.Z, st.H, options.jitter, k, ws, F, Pf, sx)
             if ok:
                 ll = loglik(v, obs, k, logdet, L, w)
                 update_mean(ap[t], v, obs, k, K, af)
@@ -146,13 +157,17 @@ def filter_into(y, a0, P0, system, options, out, univariate, need_F):
             t, part = _steady_run(t + 1, y, system, options, logdet, L, K, w, out)
             total += part
             steady = False
+            p_fin = -1
             continue
         if not sum_rq:
             rqr(st.R, st.Q, RQ, RQR)
-        predict_cov(Pf, st.T, RQR, Pp[t + 1], W, sx)
-        steady = static and k == p and _converged(Pp[t + 1], Pp[t])
+        test = static and k == p
+        fin, steady = predict_cov(Pf, st.T, RQR, Pp[t + 1], W, sx, pf, Pp[t], test and t > 0)
+        if test and t == 0:  # P0 need not be symmetric: the test on whole matrices
+            steady = _converged(Pp[1], Pp[0])
+        p_fin = 1 if fin else 0
         t += 1
-    keep_alive((ws_own, sx_own))
+    keep_alive((ws_own, sx_own, buf))
     return total
 
 

@@ -29,6 +29,12 @@ so a step whose other operand (P_f, sym(P), G) or whose sparse intermediate prod
 non-finite entry takes the dense product: NaN and -inf propagate exactly as in the dense filter.
 The cotangent of T stays dense (an entry that is 0 at this draw may be a parameter).
 
+One observable (p = 1, the structural and SARIMAX models): :func:`update_one` is the update as a
+rank-one correction (no Cholesky, no copy, on P_t itself: every prediction after P0 is exactly
+symmetric), and :func:`update_vjp_one` its reverse with the loops merged (four passes over m x m
+instead of ten).  Whether P_t and P_f are finite (for the zero-skipping products) is carried from
+the pass that wrote them, and the steady-state test runs in the pass that writes P'.
+
 Arrays are grouped by role in NamedTuples: :class:`System` (the system matrices), :class:`Options`
 (jitter and missing-value convention), :class:`UpdateWork` (what the update computes and its
 reverse reuses), :class:`ReverseWork`.  A stage takes a work NamedTuple when it uses most of it
@@ -48,15 +54,16 @@ import numba
 import numpy as np
 
 from iterops._linalg_kernels import (
-    SMALL, all_finite, borrowed, cho_solve_vec, cholesky, copy_into, matmul, nonzero_index, spmm, sym_inplace,
-    sym_into,
+    SMALL, all_finite, borrowed, carve, cho_solve_vec, cholesky, copy_into, matmul, nonzero_index, spmm, sym_finite,
+    sym_inplace, sym_into,
 )
 
 __all__ = [
     "LOG_2PI", "System", "Options", "UpdateWork", "update_work", "ReverseWork", "reverse_work", "Structure",
     "structure", "find_structure", "ti", "system_at",
     "static_cov", "varies_over_time", "static_rq", "missing", "fully_observed", "observe", "innovation",
-    "observe_vjp", "update_cov", "MULTIVARIATE", "AUTO", "UNIVARIATE", "prefers_univariate", "diagonal",
+    "observe_vjp", "update_cov", "update_one", "update_vjp_one", "MULTIVARIATE", "AUTO", "UNIVARIATE",
+    "prefers_univariate", "diagonal",
     "update_univariate", "update_mean", "update_vjp", "loglik", "loglik_vjp", "predict_mean", "rqr",
     "predict_cov", "predict_cov_vjp", "rq_vjp", "predict_vjp", "closed_loop",
 ]
@@ -102,17 +109,17 @@ class UpdateWork(NamedTuple):
 
 @numba.njit(cache=True)
 def update_work(m, p):
-    """An uninitialized :class:`UpdateWork` of :func:`~iterops._linalg_kernels.borrowed` arrays,
-    and the arrays that own them (keep those alive with ``keep_alive`` past the last use)."""
-    own = UpdateWork(
-        np.empty(p, dtype=np.int64), np.empty((m, m)), np.empty((m, p)), np.empty((p, m)),
-        np.empty((m, p)), np.empty((p, p)), np.empty((m, p)), np.empty(p),
-    )
-    obs, Ps, PZ, Zo, M, L, K, w = own
+    """An uninitialized :class:`UpdateWork` of arrays carved out of two allocations
+    (:func:`~iterops._linalg_kernels.carve`), and those (keep them alive with ``keep_alive`` past the last use)."""
+    buf = np.empty(m * m + 3 * m * p + p * m + p * p + p)
+    obs = np.empty(p, dtype=np.int64)
+    o = m * m
     work = UpdateWork(
-        borrowed(obs), borrowed(Ps), borrowed(PZ), borrowed(Zo), borrowed(M), borrowed(L), borrowed(K), borrowed(w),
+        carve(obs, 0, (p,)), carve(buf, 0, (m, m)), carve(buf, o, (m, p)), carve(buf, o + m * p, (p, m)),
+        carve(buf, o + 2 * m * p, (m, p)), carve(buf, o + 3 * m * p, (p, p)),
+        carve(buf, o + 3 * m * p + p * p, (m, p)), carve(buf, o + 4 * m * p + p * p, (p,)),
     )
-    return work, own
+    return work, (buf, obs)
 
 
 class ReverseWork(NamedTuple):
@@ -136,19 +143,20 @@ class ReverseWork(NamedTuple):
 
 @numba.njit(cache=True)
 def reverse_work(m, p):
-    """An uninitialized :class:`ReverseWork` of borrowed arrays, and their owners (as :func:`update_work`)."""
-    own = ReverseWork(
-        np.empty((m, m)), np.empty((m, m)), np.empty((m, m)), np.empty((m, m)), np.empty(m), np.empty((m, p)),
-        np.empty((m, p)), np.empty((p, p)), np.empty((p, p)), np.empty((p, p)), np.empty((p, m)), np.empty(p),
-        np.empty(m), np.empty((m, m)),
-    )
-    G, W, S, Pf_bar, af_bar, K_bar, M_bar, Finv, Fo_bar, X_bar, XZ, vo_bar, a_bar_new, P_bar_new = own
+    """An uninitialized :class:`ReverseWork` of arrays carved out of one allocation, and that (as
+    :func:`update_work`)."""
+    buf = np.empty(5 * m * m + 2 * m * p + 3 * p * p + p * m + p + 2 * m)
+    mm, mp, pp = m * m, m * p, p * p
+    o1 = 4 * mm + m  # after G, W, S, Pf_bar, af_bar
+    o2 = o1 + 2 * mp + 3 * pp  # after K_bar, M_bar, Finv, Fo_bar, X_bar
     work = ReverseWork(
-        borrowed(G), borrowed(W), borrowed(S), borrowed(Pf_bar), borrowed(af_bar), borrowed(K_bar), borrowed(M_bar),
-        borrowed(Finv), borrowed(Fo_bar), borrowed(X_bar), borrowed(XZ), borrowed(vo_bar), borrowed(a_bar_new),
-        borrowed(P_bar_new),
+        carve(buf, 0, (m, m)), carve(buf, mm, (m, m)), carve(buf, 2 * mm, (m, m)), carve(buf, 3 * mm, (m, m)),
+        carve(buf, 4 * mm, (m,)), carve(buf, o1, (m, p)), carve(buf, o1 + mp, (m, p)),
+        carve(buf, o1 + 2 * mp, (p, p)), carve(buf, o1 + 2 * mp + pp, (p, p)), carve(buf, o1 + 2 * mp + 2 * pp, (p, p)),
+        carve(buf, o2, (p, m)), carve(buf, o2 + mp, (p,)), carve(buf, o2 + mp + p, (m,)),
+        carve(buf, o2 + mp + p + m, (m, m)),
     )
-    return work, own
+    return work, buf
 
 
 class Structure(NamedTuple):
@@ -163,12 +171,15 @@ class Structure(NamedTuple):
 
 @numba.njit(cache=True)
 def structure(m, p):
-    """An uninitialized :class:`Structure` of borrowed arrays (``use`` all False) and their owners."""
-    own = Structure(
-        np.empty((m, m + 1), dtype=np.int64), np.empty((m, m + 1), dtype=np.int64),
-        np.empty((p, m + 1), dtype=np.int64), np.zeros(2, dtype=np.bool_),
+    """An uninitialized :class:`Structure` (``use`` all False) of arrays carved out of two allocations,
+    and those."""
+    idx = np.empty((2 * m + p) * (m + 1), dtype=np.int64)
+    use = np.zeros(2, dtype=np.bool_)
+    sx = Structure(
+        carve(idx, 0, (m, m + 1)), carve(idx, m * (m + 1), (m, m + 1)), carve(idx, 2 * m * (m + 1), (p, m + 1)),
+        borrowed(use),
     )
-    return Structure(borrowed(own.T), borrowed(own.Tt), borrowed(own.Z), borrowed(own.use)), own
+    return sx, (idx, use)
 
 
 @numba.njit(cache=True)
@@ -348,11 +359,15 @@ def update_cov(P, Zt, Ht, jitter, k, ws, F, Pf, sx):
     Writes ``F = Z Ps Z^T + sym(H) + j I`` (all p rows), ``Pf = Ps - K M^T - j K K^T + j I`` and
     every :class:`UpdateWork` array but ``w``.  For this (optimal) gain ``Pf`` equals the Joseph
     form ``(I - K Zo) Ps (I - K Zo)^T + K H_oo K^T + j I`` that pymc-extras evaluates (expand it with
-    ``K F_oo = M``); it costs O(m^2 k) instead of O(m^3).
+    ``K F_oo = M``); it costs O(m^2 k) instead of O(m^3).  One observable (``p = k = 1``):
+    :func:`update_one`.
     """
     m = P.shape[0]
     obs, Ps, PZ, Zo, M, L, K, _ = ws
-    sym_into(P, Ps)
+    finite = sym_finite(P, Ps)
+    if Zt.shape[0] == 1 and k == 1:
+        ok, logdet, _ = update_one(Ps, finite, Zt, Ht, jitter, ws, F, Pf, sx)
+        return ok, logdet
     _innovation_cov(Ps, Zt, Ht, jitter, PZ, F, sx)
     for ii in range(k):
         i = obs[ii]
@@ -372,6 +387,53 @@ def update_cov(P, Zt, Ht, jitter, k, ws, F, Pf, sx):
         cho_solve_vec(L, k, K[i], K[i])
     _filtered_cov(Ps, K, M, k, jitter, Pf)
     return True, logdet
+
+
+@numba.njit(cache=True)
+def update_one(Ps, finite, Zt, Ht, jitter, ws, F, Pf, sx):
+    """:func:`update_cov` for one observable, observed (``p = k = 1``; ``Ps``: sym(P), exactly
+    symmetric, ``finite`` whether it is): the rank-one update, no Cholesky, no copy::
+
+        u = Ps z^T (z = Z's row, its zeros skipped when finite),  f = z u + H + j
+        K = u / f,  Pf = Ps - K (u + j K)^T + j I   (one triangle, mirrored)
+
+    Writes ``F = f``, ``M[:, 0] = u``, ``K[:, 0]``, ``Zo[0] = z``, ``L[0, 0] = sqrt(f)`` (the
+    :class:`UpdateWork` of the general update; ``ws.Ps`` is not touched).  Returns
+    ``(ok, log f, Pf finite)``; not ok when f is not positive and finite (as the Cholesky)."""
+    m = Ps.shape[0]
+    _, _, _, Zo, M, L, K, _ = ws
+    sparse = sx.use[1] and finite
+    nz = sx.Z[0, 0] if sparse else m
+    f = Ht[0, 0]
+    for l in range(m):
+        s = 0.0
+        for q in range(nz):
+            c = sx.Z[0, q + 1] if sparse else q
+            s += Ps[l, c] * Zt[0, c]
+        M[l, 0] = s
+        Zo[0, l] = Zt[0, l]
+    for q in range(nz):
+        c = sx.Z[0, q + 1] if sparse else q
+        f += Zt[0, c] * M[c, 0]
+    f += jitter
+    F[0, 0] = f
+    if not (f > 0.0) or not np.isfinite(f):
+        return False, np.nan, False
+    L[0, 0] = np.sqrt(f)
+    for l in range(m):
+        K[l, 0] = M[l, 0] / f
+    total = m * jitter
+    for l in range(m):
+        kl = K[l, 0]
+        row = 0.0  # the sum (finite?) by rows: short dependency chains
+        for q in range(l, m):
+            x = Ps[l, q] - kl * (M[q, 0] + jitter * K[q, 0])
+            Pf[l, q] = x
+            Pf[q, l] = x
+            row += x
+        Pf[l, l] += jitter
+        total += row
+    return True, np.log(f), np.isfinite(total)
 
 
 #: ``univariate`` modes of the forward filter (the ``kalman_filter`` option): never, by the rule, always
@@ -546,6 +608,61 @@ def update_vjp(a, v, Zt, jitter, k, ws, rw, gZ, gH):
         a_bar_new[i] = af_bar[i]
 
 
+@numba.njit(cache=True, inline="always")
+def update_vjp_one(v0, Zt, jitter, ws, rw, gH, P_bar):
+    """:func:`update_vjp` for one observable, observed (``p = k = 1``, the update of :func:`update_one`:
+    ``u = Ps z^T``, ``f``, ``K = u / f``), its reverse loops merged::
+
+        S = sym(P_f_bar);  M_bar = -S K;  K_bar = (-S u - 2 j S K + a_f_bar v) / f;  M_bar += K_bar
+        v_bar += K^T a_f_bar;  x = F_bar + F_oo_bar - K^T K_bar  (H_bar += x)
+        Zo_bar = (2 x z + M_bar)^T Ps   (into ``XZ[0]``, for :func:`observe_vjp`)
+        P_bar = S + x z^T z + sym(M_bar z)   (one triangle, mirrored: the cotangent of P, symmetrized)
+
+    Writes ``P_bar`` (the :func:`update_vjp` ``P_bar_new``, already symmetric: what :func:`_carry_cov`
+    would make of it, without the cotangent of ``predicted_cov``), ``a_bar_new``, ``vo_bar[0]``,
+    ``XZ[0]``, ``X_bar[0, 0]``; adds to ``gH``.  The same arithmetic as :func:`update_vjp`, to rounding."""
+    m = Zt.shape[1]
+    _, Ps, _, _, M, L, K, _ = ws
+    _, _, S, Pf_bar, af_bar, K_bar, M_bar, _, Fo_bar, X_bar, XZ, vo_bar, a_bar_new, _ = rw
+    sym_into(Pf_bar, S)
+    kaf = 0.0
+    for i in range(m):
+        sk = 0.0
+        su = 0.0
+        for l in range(m):
+            sk += S[i, l] * K[l, 0]
+            su += S[i, l] * M[l, 0]
+        mb = -sk
+        M_bar[i, 0] = mb
+        K_bar[i, 0] = -su + af_bar[i] * v0 + 2.0 * jitter * mb
+        kaf += K[i, 0] * af_bar[i]
+        a_bar_new[i] = af_bar[i]
+    vo_bar[0] += kaf
+    l00 = L[0, 0]
+    kkb = 0.0
+    for i in range(m):
+        kb = K_bar[i, 0] / l00 / l00
+        K_bar[i, 0] = kb
+        M_bar[i, 0] += kb
+        kkb += K[i, 0] * kb
+    x = X_bar[0, 0] + Fo_bar[0, 0] - kkb
+    X_bar[0, 0] = x
+    gH[0, 0] += x
+    for j in range(m):
+        XZ[0, j] = 0.0
+    for l in range(m):
+        c = 2.0 * x * Zt[0, l] + M_bar[l, 0]
+        for j in range(m):
+            XZ[0, j] += c * Ps[l, j]
+    for i in range(m):
+        zi = Zt[0, i]
+        for j in range(i, m):
+            zj = Zt[0, j]
+            y = S[i, j] + x * zi * zj + 0.5 * (M_bar[i, 0] * zj + M_bar[j, 0] * zi)
+            P_bar[i, j] = y
+            P_bar[j, i] = y
+
+
 # ---------------------------------------------------------------------------
 # loglik: ll = -(k log 2 pi + log|F_oo| + v_o^T F_oo^{-1} v_o) / 2
 # ---------------------------------------------------------------------------
@@ -614,12 +731,22 @@ def rqr(Rt, Qt, RQ, out):
 
 
 @numba.njit(cache=True)
-def predict_cov(Pf, Tt, RQR, P_next, W, sx):
+def predict_cov(Pf, Tt, RQR, P_next, W, sx, pf_finite, P_old, test):
     """P' = T P_f T^T + R sym(Q) R^T for a symmetric ``P_f`` (one triangle, mirrored); ``W`` scratch.
-    T's zeros skipped when ``sx.use[0]`` and P_f, T P_f are finite (:class:`Structure`)."""
+    T's zeros skipped when ``sx.use[0]`` and P_f, T P_f are finite (:class:`Structure`;
+    ``pf_finite``: 1 or 0 when the caller knows whether P_f is finite, -1 to check).
+    Returns ``(P' finite, converged)``: ``converged`` is the steady-state test
+    ``max|P' - P_old| <= 1e-14 max|P'|`` against a symmetric ``P_old`` when ``test`` (else False)."""
     m = Pf.shape[0]
-    if sx.use[0] and all_finite(Pf) and np.isfinite(spmm(Tt, sx.T, Pf, W)):
+    fin = all_finite(Pf) if pf_finite < 0 else pf_finite == 1
+    if sx.use[0] and fin and np.isfinite(spmm(Tt, sx.T, Pf, W)):  # the test in the same pass
+        tot = 0.0
+        diff = 0.0
+        scale = 0.0
         for i in range(m):
+            row = 0.0
+            rdiff = 0.0
+            rscale = 0.0
             for jj in range(i, m):
                 s = RQR[i, jj]
                 for q in range(1, sx.T[jj, 0] + 1):
@@ -627,7 +754,14 @@ def predict_cov(Pf, Tt, RQR, P_next, W, sx):
                     s += W[i, l] * Tt[jj, l]
                 P_next[i, jj] = s
                 P_next[jj, i] = s
-        return
+                row += s
+                if test:
+                    rdiff = max(rdiff, abs(s - P_old[i, jj]))
+                    rscale = max(rscale, abs(s))
+            tot += row
+            diff = max(diff, rdiff)
+            scale = max(scale, rscale)
+        return np.isfinite(tot), test and diff <= 1e-14 * scale
     matmul(Tt, Pf, W)
     if m > SMALL:
         matmul(W, Tt.T, P_next)
@@ -636,7 +770,7 @@ def predict_cov(Pf, Tt, RQR, P_next, W, sx):
                 s = 0.5 * (P_next[i, jj] + P_next[jj, i]) + RQR[i, jj]
                 P_next[i, jj] = s
                 P_next[jj, i] = s
-        return
+        return _triangle_test(P_next, P_old, test)
     for i in range(m):
         for jj in range(i, m):
             s = RQR[i, jj]
@@ -644,20 +778,53 @@ def predict_cov(Pf, Tt, RQR, P_next, W, sx):
                 s += W[i, l] * Tt[jj, l]
             P_next[i, jj] = s
             P_next[jj, i] = s
+    return _triangle_test(P_next, P_old, test)
 
 
 @numba.njit(cache=True)
-def predict_cov_vjp(G, Tt, Pf, gT, Pf_bar, beta, GT, sx):
+def _triangle_test(P_new, P_old, test):
+    """``(P_new finite, max|P_new - P_old| <= 1e-14 max|P_new|)`` over one triangle of the symmetric
+    P_new and P_old (the steady-state test; False unless ``test``)."""
+    s = 0.0
+    diff = 0.0
+    scale = 0.0
+    for i in range(P_new.shape[0]):
+        for j in range(i, P_new.shape[0]):
+            x = P_new[i, j]
+            s += x
+            if test:
+                diff = max(diff, abs(x - P_old[i, j]))
+                scale = max(scale, abs(x))
+    return np.isfinite(s), test and diff <= 1e-14 * scale
+
+
+@numba.njit(cache=True)
+def predict_cov_vjp(G, Tt, Pf, gT, Pf_bar, beta, GT, sx, tmp, g_finite=-1):
     """Reverse of ``P' = T P_f T^T + ...`` for ``G = sym(P'_bar)`` (G and P_f symmetric):
-    ``P_f_bar = T^T G T + beta P_f_bar``, ``T_bar += 2 G T P_f`` (dense).  ``GT`` (m, m): scratch.
-    T's zeros skipped when ``sx.use[0]`` and G, G T are finite (:class:`Structure`)."""
-    if sx.use[0] and all_finite(G) and np.isfinite(spmm(Tt.T, sx.Tt, G, GT)):  # GT <- T^T G = (G T)^T
+    ``P_f_bar = T^T G T + beta P_f_bar``, ``T_bar += 2 G T P_f`` (dense).  ``GT``, ``tmp`` (m, m): scratch.
+    T's zeros skipped when ``sx.use[0]`` and G, G T are finite (:class:`Structure`; ``g_finite``: 1 or 0
+    when the caller knows whether G is finite, -1 to check)."""
+    fin = all_finite(G) if g_finite < 0 else g_finite == 1
+    if sx.use[0] and fin and np.isfinite(spmm(Tt.T, sx.Tt, G, GT)):  # GT <- T^T G = (G T)^T
         spmm(Tt.T, sx.Tt, GT.T, Pf_bar, 1.0, beta)
-        matmul(GT.T, Pf, gT, 2.0, 1.0)
+        _add_product(GT.T, Pf, gT, 2.0, tmp)
         return
     matmul(G, Tt, GT)
     matmul(Tt.T, GT, Pf_bar, 1.0, beta)
-    matmul(GT, Pf, gT, 2.0, 1.0)
+    _add_product(GT, Pf, gT, 2.0, tmp)
+
+
+@numba.njit(cache=True)
+def _add_product(X, Y, out, alpha, tmp):
+    """out += alpha X Y for square, C- or F-contiguous X, Y (the dense cotangent of T): above
+    :data:`~iterops._linalg_kernels.SMALL` BLAS into the scratch ``tmp`` (no copy, no allocation)."""
+    if X.shape[0] > SMALL:
+        np.dot(X, Y, tmp)
+        for i in range(out.shape[0]):
+            for j in range(out.shape[1]):
+                out[i, j] += alpha * tmp[i, j]
+        return
+    matmul(X, Y, out, alpha, 1.0)
 
 
 @numba.njit(cache=True)
@@ -676,16 +843,16 @@ def rq_vjp(G, Rt, Qt, gR, gQ):
 
 
 @numba.njit(cache=True, inline="always")
-def predict_vjp(a_bar, P_bar, af, Pf, st, gst, sum_rq, Grq, G, W, Pf_bar, af_bar, sx):
+def predict_vjp(a_bar, P_bar, af, Pf, st, gst, sum_rq, Grq, G, W, Pf_bar, af_bar, sx, tmp):
     """Reverse of :func:`predict_mean` and :func:`predict_cov` for the cotangents ``a_bar``,
     ``P_bar`` of ``a'``, ``P'``: ``Pf_bar = T^T G T`` with ``G = sym(P_bar)``, ``af_bar += T^T a_bar``;
     ``c_bar += a_bar``, ``T_bar += a_bar a_f^T + 2 G T P_f`` and the R, Q cotangents, or
     ``Grq += G`` when ``sum_rq`` (static R, Q: :func:`rq_vjp` once, on the sum).
     ``st``/``gst``: the step's matrices and their cotangents (:func:`system_at`), ``sx`` the
-    step's :class:`Structure`; ``W`` scratch."""
+    step's :class:`Structure`; ``W``, ``tmp`` scratch."""
     m = af.shape[0]
-    sym_into(P_bar, G)
-    predict_cov_vjp(G, st.T, Pf, gst.T, Pf_bar, 0.0, W, sx)
+    fin = sym_finite(P_bar, G)
+    predict_cov_vjp(G, st.T, Pf, gst.T, Pf_bar, 0.0, W, sx, tmp, 1 if fin else 0)
     if sum_rq:
         for i in range(m):
             for l in range(m):

@@ -44,19 +44,26 @@ in fused kernels (:class:`ARDerivative`).  The step-up adjoint
 uses only stored forward levels and no division, so the gradient of
 :func:`pacf_to_ar` is exact and stable as ``|pacf| -> 1``.  The step-down
 adjoint (ar_to_pacf, ar_to_acov) carries the factor ``1/(1-kappa_k^2)`` that
-the map itself has.  First derivatives in reverse and forward mode are exact;
-the derivative Ops are linear in the (co)tangent and differentiate as such, but
-second derivatives with respect to the primal input are not implemented
-(requesting them raises PyTensor's ``NullTypeGradError``).
+the map itself has.  First derivatives in reverse and forward mode are exact.
+Second derivatives (the derivative Op's own pullback, :func:`_second_order`):
+``sum_i b_i Hess f_i(x) a`` by reverse mode twice through :func:`lattice_graph`, the
+lattice unrolled into a PyTensor graph over the static order ``p`` (O(p^2) nodes: meant
+for the small orders of AR models; a symbolic ``p`` raises ``NotImplementedError``);
+NaN where the map fails.
 """
 
 from __future__ import annotations
 
+import operator
+from functools import reduce
+
 import numba
 import numpy as np
+import pytensor
 import pytensor.tensor as pt
-from pytensor.gradient import DisconnectedType, disconnected_type, grad_not_implemented
+from pytensor.gradient import DisconnectedType, disconnected_type
 from pytensor.graph.basic import Apply
+from pytensor.graph.replace import graph_replace
 from pytensor.tensor.variable import TensorVariable
 
 from iterops._fused import FusedOp, apply_batched, entry_point, register_fused_op
@@ -472,8 +479,9 @@ class ARDerivative(FusedOp):
     ``fn`` in {"pacf_to_ar", "ar_to_pacf", "ar_to_acov"} (the latter with
     ``sigma2 = 1``), ``mode`` "vjp" (``v`` a cotangent of the output, returns
     ``J(x)^T v``) or "jvp" (``v`` a tangent of ``x``, returns ``J(x) v``).
-    Linear in ``v``: its derivative in ``v`` is the other mode.  Derivatives in
-    ``x`` (second derivatives of the map) are not implemented.
+    Linear in ``v``: its derivative in ``v`` is the other mode.  Its derivative in
+    ``x`` (second derivatives of the map): :func:`_second_order`, reverse mode; forward
+    mode of ``mode="jvp"`` in ``x`` raises ``NotImplementedError``.
     """
 
     __props__ = ("fn", "mode", "nlags")
@@ -504,23 +512,79 @@ class ARDerivative(FusedOp):
         if isinstance(w.type, DisconnectedType):
             return [disconnected_type(), disconnected_type()]
         other = "jvp" if self.mode == "vjp" else "vjp"
-        return [
-            grad_not_implemented(self, 0, x, "Second derivatives of iterops' AR lattice maps are not implemented."),
-            _derivative(self.fn, other, x, w, self.nlags),
-        ]
+        # <w, J^T v> = <v, J w> (vjp) and <w, J v> (jvp): x_bar = sum_i b_i Hess f_i a
+        a, b = (w, v) if self.mode == "vjp" else (v, w)
+        x_bar = pt.switch(pt.isnan(outputs[0].sum(axis=-1, keepdims=True)), np.nan, _second_order(self.fn, x, a, b, self.nlags))
+        return [x_bar, _derivative(self.fn, other, x, w, self.nlags)]
 
     def pushforward(self, inputs, outputs, tangents):
         x, v = inputs
         x_dot, v_dot = tangents
+        terms = []
         if not isinstance(x_dot.type, DisconnectedType):
-            raise NotImplementedError("Second derivatives of iterops' AR lattice maps are not implemented.")
-        if isinstance(v_dot.type, DisconnectedType):
+            if self.mode == "jvp":
+                raise NotImplementedError(
+                    f"Forward-mode second derivatives of {self.fn} (pushforward of ARDerivative(mode='jvp') "
+                    "with respect to x) are not implemented; reverse mode (pytensor.grad, pytensor.hessian) is."
+                )
+            terms.append(_second_order(self.fn, x, x_dot, v, self.nlags))  # d/de J(x + e x_dot)^T v
+        if not isinstance(v_dot.type, DisconnectedType):
+            terms.append(_derivative(self.fn, self.mode, x, v_dot, self.nlags))
+        if not terms:
             return [disconnected_type()]
-        return [_derivative(self.fn, self.mode, x, v_dot, self.nlags)]
+        return [sum(terms[1:], terms[0])]
 
 
 def _derivative(fn, mode, x, v, nlags=-1):
     return apply_batched(ARDerivative(fn, mode, nlags), x, v)
+
+
+# ---------------------------------------------------------------------------
+# Second derivatives: the lattices unrolled into a PyTensor graph (static p), differentiated twice
+# ---------------------------------------------------------------------------
+
+
+def lattice_graph(fn, x, nlags=-1):
+    """The map ``fn`` as a PyTensor graph unrolled over the static order ``p = x.shape[-1]``
+    (``ar_to_acov`` with ``sigma2 = 1``), batched over leading dimensions: O(p^2) scalar nodes
+    (O(p (p + nlags)) for ``ar_to_acov``).  No failure value: the caller masks with the fused map's."""
+    p = x.type.shape[-1]
+    if p is None:
+        raise NotImplementedError(
+            f"Second derivatives of {fn} need a static order p (the length of the last axis of its "
+            f"input, here of shape {x.type.shape}); give the input a static shape (e.g. pt.specify_shape)."
+        )
+    c = [x[..., j] for j in range(p)]
+    if fn == "pacf_to_ar":  # step-up: phi_{k,j} = phi_{k-1,j} - kappa_k phi_{k-1,k-j}, phi_{k,k} = kappa_k
+        phi = []
+        for k in range(p):
+            phi = [phi[j] - c[k] * phi[k - 1 - j] for j in range(k)] + [c[k]]
+        return pt.stack(phi, axis=-1)
+    # step-down: kappa_k = phi_{k,k}, phi_{k-1,j} = (phi_{k,j} + kappa_k phi_{k,k-j}) / (1 - kappa_k^2)
+    levels, kappa = {p: c}, [None] * p
+    for k in range(p, 0, -1):
+        phi, kap = levels[k], levels[k][k - 1]
+        kappa[k - 1] = kap
+        levels[k - 1] = [(phi[j] + kap * phi[k - 2 - j]) / (1.0 - kap * kap) for j in range(k - 1)]
+    if fn == "ar_to_pacf":
+        return pt.stack(kappa, axis=-1)
+    # gamma_0 = 1 / prod(1 - kappa_k^2), gamma_m = sum_{j <= q} phi_{q,j} gamma_{m-j}, q = min(m, p)
+    gam = [1.0 / reduce(operator.mul, [1.0 - k_ * k_ for k_ in kappa], pt.ones_like(x.sum(axis=-1)))]
+    for m in range(1, nlags + 1):
+        q = min(m, p)
+        gam.append(sum((levels[q][j - 1] * gam[m - j] for j in range(2, q + 1)), levels[q][0] * gam[m - 1]))
+    return pt.stack(gam, axis=-1)
+
+
+def _second_order(fn, x, a, b, nlags):
+    """``sum_i b_i Hess f_i(x) a = grad_x <a, J(x)^T b>`` for the map ``fn`` (``J`` its Jacobian),
+    by reverse mode twice through :func:`lattice_graph` on fresh copies (partial derivatives: in the
+    caller's graph ``a`` and ``b`` may depend on ``x``)."""
+    x_, a_, b_ = x.type(), a.type(), b.type()
+    f = lattice_graph(fn, x_, nlags)
+    jtb = pytensor.grad(pt.sum(b_ * f), x_)
+    hab = pytensor.grad(pt.sum(a_ * jtb), x_)
+    return graph_replace(hab, {x_: x, a_: a, b_: b}, strict=False)
 
 
 # ---------------------------------------------------------------------------

@@ -105,7 +105,8 @@ up to a term linear in the covariance cotangent) and the covariance cotangents o
 whole stretch follow from one Lyapunov equation, so far from its start only the
 O(m p + m^2) mean path runs per step, with or without jitter
 (:func:`iterops.ts._kalman_adjoint._steady_adjoint_run`).  The gradient Op itself
-is not differentiable (second derivatives raise).
+is differentiated once more by a Scan of the same recursion (second derivatives, exact, not fused:
+:mod:`iterops.ts._kalman_second`); the diffuse filter's adjoint raises ``NotImplementedError``.
 
 Structured systems: the zeros of ``T`` and ``Z`` (the shift, companion and identity blocks of
 structural, SARIMAX and VAR models, block-diagonal components, zero columns) are found once per
@@ -161,18 +162,19 @@ from typing import NamedTuple
 import numba
 import numpy as np
 import pytensor.tensor as pt
-from pytensor.gradient import DisconnectedType, grad_not_implemented
-from pytensor.compile import optdb
+from pytensor.gradient import DisconnectedType
 from pytensor.graph.basic import Apply, Constant, Variable
-from pytensor.graph.rewriting.basic import copy_stack_trace, dfs_rewriter, node_rewriter
+from pytensor.graph.rewriting.basic import copy_stack_trace, node_rewriter
 from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.variable import TensorVariable
 
+from iterops._second_order import not_twice_differentiable
 from iterops._abi import SIGNATURE, Abi, Struct
 from iterops._fused import FusedOp, data_ptr, entry_point, keep_alive, opaque_kernel, register_fused_op
 from iterops._validate import as_tensor, check_shape, float_dtype
 from iterops.ts._kalman_adjoint import Cotangents, InputCotangents, kalman_adjoint_kernel
 from iterops.ts._kalman_diffuse import DiffuseOutputs, diffuse_adjoint, diffuse_filter, diffuse_outputs
+from iterops.ts._kalman_second import adjoint_pullback
 from iterops.ts._kalman_filter import FilterOutputs, filter_into, filter_outputs, kalman_filter_kernel
 from iterops.ts._kalman_steps import AUTO, MULTIVARIATE, UNIVARIATE, Options, System, diagonal, prefers_univariate
 
@@ -526,7 +528,8 @@ def _own_dims(sig, tag):
 class KalmanFilterGrad(KalmanOpBase):
     """Adjoint Op of :class:`KalmanFilter`: (inputs, predicted_state, predicted_cov, cotangents of
     the 8 outputs) -> cotangents of the 10 inputs.  A disconnected cotangent is a zero-size array
-    (the loglik one: 0).  Not differentiable itself."""
+    (the loglik one: 0).  Its pullback (second derivatives) goes through a Scan of the filter,
+    :func:`iterops.ts._kalman_second.adjoint_pullback`."""
 
     # cotangent dimensions are their own: a zero-size placeholder matches no other input
     gufunc_signature = (
@@ -546,10 +549,8 @@ class KalmanFilterGrad(KalmanOpBase):
         return _adjoint_entry(*self._entry_args())
 
     def pullback(self, inputs, outputs, cotangents):
-        return [
-            grad_not_implemented(self, i, x, "second derivatives of kalman_filter are not implemented")
-            for i, x in enumerate(inputs)
-        ]
+        # second derivatives: exact, through a Scan of the same recursion (iterops.ts._kalman_second)
+        return adjoint_pullback(self, inputs, cotangents)
 
 
 @node_rewriter([Blockwise, KalmanFilter])
@@ -566,10 +567,7 @@ def kalman_unused_forecast_cov(fgraph, node):
     return outs
 
 
-optdb.register(
-    "iterops_kalman_unused_forecast_cov", dfs_rewriter(kalman_unused_forecast_cov, ignore_newtrees=True),
-    "fast_run", "fast_compile", "iterops", position=49.0,
-)
+# registered in iterops.rewrites
 
 
 # ---------------------------------------------------------------------------
@@ -751,6 +749,7 @@ def _with_p_inf(g, P_inf_bar):
 
 #: core signature of the diffuse Op's inputs: ``P_inf`` (m, m) after ``P0``
 DIFFUSE_IN_SIG = (*IN_SIG[:3], "(m,m)", *IN_SIG[3:])
+DIFFUSE_INPUT_NAMES = (*INPUT_NAMES[:3], "P_inf", *INPUT_NAMES[3:])
 
 
 @register_fused_op
@@ -783,7 +782,8 @@ class KalmanFilterDiffuse(KalmanFilter):
 class KalmanFilterDiffuseGrad(KalmanFilterGrad):
     """Adjoint Op of :class:`KalmanFilterDiffuse`: (its 11 inputs, predicted_state, predicted_cov,
     cotangents of the 8 outputs) -> cotangents of the 11 inputs (``P_inf`` included: the diffuse
-    log-likelihood depends on its scale through ``log F_inf``).  Not differentiable itself."""
+    log-likelihood depends on its scale through ``log F_inf``).  Not differentiable itself (its pullback
+    raises ``NotImplementedError``)."""
 
     gufunc_signature = (
         ",".join([*DIFFUSE_IN_SIG, "(n1,m)", "(n1,m,m)", *(_own_dims(s, f"g{i}") for i, s in enumerate(_OUT_SIG))])
@@ -801,6 +801,9 @@ class KalmanFilterDiffuseGrad(KalmanFilterGrad):
     def numba_fn(self, node):
         tv, _, mv, use_mv = self._entry_args()
         return _diffuse_adjoint_entry(tv, mv, use_mv)
+
+    def pullback(self, inputs, outputs, cotangents):
+        not_twice_differentiable(self, "kalman_filter(..., diffuse=...)", DIFFUSE_INPUT_NAMES)
 
 
 # ---------------------------------------------------------------------------

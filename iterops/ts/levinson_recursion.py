@@ -50,7 +50,9 @@ and ``kappa_bar_k`` of its ``kappa``,
 and finally :math:`\bar\gamma_0 \mathrel{+}= \bar v_0`.  Any subset of the
 three outputs may carry a cotangent; disconnected ones count as zero (as in the
 Scan's gradient, so inf/NaN values spread into the gradient as they do there).
-Second derivatives and forward mode are not implemented.
+Second derivatives: the gradient Op's pullback is reverse mode twice through the loop itself
+(:func:`iterops.reference_loops.levinson_loop`; exact, not fused,
+:func:`iterops._second_order.reverse_twice`).  Forward mode is not implemented.
 """
 
 from __future__ import annotations
@@ -60,10 +62,12 @@ from typing import NamedTuple
 import numba
 import numpy as np
 import pytensor.tensor as pt
-from pytensor.gradient import DisconnectedType, disconnected_type, grad_not_implemented
+from pytensor.gradient import DisconnectedType, disconnected_type
 from pytensor.graph.basic import Apply
 from pytensor.tensor.variable import TensorVariable
 
+from iterops._second_order import reverse_twice
+from iterops.reference_loops import levinson_loop, levinson_spelled_step
 from iterops._fused import FusedOp, apply_batched, entry_point, register_fused_op
 from iterops._validate import as_tensor, check_at_least, check_shape, float_dtype
 from iterops.ts.ar import _static_int
@@ -319,7 +323,7 @@ def _vjp_entry(order: int, v_form: int, dtype: str):
 class LevinsonRecursionGrad(FusedOp):
     """Core Op ``(n),(p),(),(p)->(n)``: ``gamma_bar`` from ``(phi_bar, sigma2_bar, kappa_bar)``.
 
-    The reverse pass of :class:`LevinsonRecursion` (module docstring).  Not differentiable itself.
+    The reverse pass of :class:`LevinsonRecursion` (module docstring); differentiated through the loop.
     """
 
     __props__ = ("order", "v_form")
@@ -341,8 +345,14 @@ class LevinsonRecursionGrad(FusedOp):
         return _vjp_entry(self.order, self.v_form, node.outputs[0].type.dtype)
 
     def pullback(self, inputs, outputs, cotangents):
-        msg = "Second derivatives of iterops.ts.levinson_recursion are not implemented."
-        return [grad_not_implemented(self, i, x, msg) for i, x in enumerate(inputs)]
+        # second derivatives: reverse mode twice through the loop itself (exact, not fused)
+        gamma, bars = inputs[0], list(inputs[1:])
+        (w,) = cotangents
+        if isinstance(w.type, DisconnectedType):
+            return [pt.zeros_like(x) for x in inputs]
+        step = levinson_spelled_step(V_UPDATES[self.v_form])
+        (gamma_bar,), bars_bar = reverse_twice(lambda g: list(levinson_loop(g, self.order, step=step)), [gamma], bars, [w])
+        return [gamma_bar, *bars_bar]
 
 
 # ---------------------------------------------------------------------------
@@ -388,7 +398,7 @@ def levinson_recursion(gamma, order: int, *, v_update: str = "square") -> Levins
 
     Gradient: the exact reverse-mode adjoint of the recursion (PyTensor's autodiff of the Scan, to
     rounding), for cotangents on any subset of the outputs, in a second fused kernel.  Batched over
-    leading dimensions.  No second derivatives, no forward mode.
+    leading dimensions.  Second derivatives through the loop itself (exact, not fused); no forward mode.
 
     Replicates the Scan::
 

@@ -113,7 +113,10 @@ triangle and mirrors it (exactly symmetric), so results agree to rounding for
 well-conditioned ``F``.  The textbook loop has no missing-data handling: NaN
 observations make its log-likelihood and states NaN from that step on, and so
 does the replacement; its covariances stay finite, and so do the replacement's.
-``pm.logp(pm.MvNormal.dist(...))`` raises where ``F`` is not positive definite;
+Where ``F`` cannot be factorised (singular, NaN or inf in it) the loop's
+``inv(F)`` / ``solve(F, .)`` returns NaN (NUMBA) or raises (FAST_COMPILE); the
+replacement's log-likelihood is NaN there and its states NaN from then on, as
+the loop's.  ``pm.logp(pm.MvNormal.dist(...))`` raises where ``F`` is not positive definite;
 the replacement raises too (``ParameterValueError``) where the fused filter's
 Cholesky factor fails.  Spellings matched only when PyMC is already imported
 (matching never imports it).
@@ -220,13 +223,17 @@ def _batch_source(v):
     return v
 
 
-def _unproven(m, names, proof, what):
-    """A reason naming the first covariance input of ``names`` that ``proof`` cannot show to be ``what``."""
+def _unproven(m, names, proof, what, declare):
+    """A reason naming the first covariance input of ``names`` that ``proof`` cannot show to be ``what``,
+    and the declaration (``assume(x, **declare)``) that would let the loop fuse."""
     for name in names:
         x = _batch_source(m.outer[name]) if name in m.time_varying else m.outer[name]
         if not proof(x):
+            label = x.name or _COV_NAMES[name].split()[-1]
+            facts = ", ".join(f"{k}=True" for k in declare)
             return (f"{_COV_NAMES[name]} is not provably {what} from how it is built (the fused filter reads "
-                    f"its symmetric part and needs {what} inputs to compute what the loop computes)")
+                    f"its symmetric part and needs {what} inputs to compute what the loop computes); declare "
+                    f"it with pytensor.assumptions.assume({label}, {facts}) if it is")
     return None
 
 
@@ -242,7 +249,7 @@ def _check_pymc_extras(m):
     if _static_float(m, "fill") is None:
         return "the missing-value sentinel is not a constant"
     # the step symmetrizes R Q R^T itself; it reads P0 and H raw
-    return _unproven(m, ("P", "H"), is_symmetric, "symmetric")
+    return _unproven(m, ("P", "H"), is_symmetric, "symmetric", ("symmetric",))
 
 
 def _missing(y, fill):
@@ -411,7 +418,8 @@ def _filtered_step(variant):
 
 def _check_textbook(m):
     # with det(F) the loop runs on through an indefinite F, where the fused filter's Cholesky fails
-    reason = _unproven(m, ("P", "H", "Q"), is_psd, "symmetric positive semi-definite")
+    reason = _unproven(m, ("P", "H", "Q"), is_psd, "symmetric positive semi-definite",
+                      ("symmetric", "positive_definite"))
     if reason or not m.uses.get("ll"):
         return reason
     p = m.outer["y"].type.shape[-1]
@@ -447,7 +455,10 @@ def _textbook_filter(m, a0, P0):
 
 def _loglik(m, res, bad):
     nan = np.array(np.nan, dtype=res.loglik_obs.dtype)
-    ll = pt.switch(bad, nan, res.loglik_obs)
+    # The fused filter says -inf where F's Cholesky factorisation fails (F singular, or NaN / inf in it);
+    # there the loop's inv(F) or solve(F, .) raises (FAST_COMPILE) or returns NaN (NUMBA), so its
+    # log-likelihood is NaN (or it raised), and so is every later one.
+    ll = pt.switch(pt.or_(bad, pt.isneginf(res.loglik_obs)), nan, res.loglik_obs)
     if _TEXTBOOK_VARIANTS[m.variant][2]:
         # pm.logp(pm.MvNormal.dist(...)) raises (ParameterValueError) where F's Cholesky factor fails,
         # the fused filter returns -inf there

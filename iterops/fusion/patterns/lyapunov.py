@@ -15,7 +15,7 @@ stationary covariance)::
 ``lyapunov_fixed_point``::
 
     def step(X, A, Q, tol):
-        X_new = A @ X @ A.T + Q
+        X_new = A @ X @ A.T + Q          # or A.T @ X @ A + Q: the same iteration for A^T (fused with A.mT)
         return X_new, until(pt.max(pt.abs(X_new - X)) < tol)
 
 Accepted stop rules: max-abs change ``<`` or ``<=`` tol, ``all(|change| < tol)``,
@@ -122,20 +122,29 @@ register_pattern(Pattern(
 ))
 
 
-def _fixed_point_step(stop):
+def _fixed_point_update(transposed):
+    """``A X A^T + Q``, or ``A^T X A + Q`` (the same iteration for ``A^T``, products associated alike)."""
+    if transposed:
+        return lambda X, A, Q: A.T @ X @ A + Q
+    return lambda X, A, Q: A @ X @ A.T + Q
+
+
+def _fixed_point_step(stop, transposed=False):
+    update = _fixed_point_update(transposed)
+    if stop is None:
+        return lambda X, A, Q, tol: update(X, A, Q)
+
     def step(X, A, Q, tol):
-        X_new = A @ X @ A.T + Q
+        X_new = update(X, A, Q)
         return X_new, until(stop(X_new, X, tol))
 
     return step
 
 
-def _fixed_point_step_no_stop(X, A, Q, tol):
-    return A @ X @ A.T + Q
-
-
 #: the stop rule of each reference variant (the last has none)
 _FIXED_POINT_STOPS = (*CONVERGENCE_STOP_KINDS, None)
+#: (transposed, stop kind) of each reference variant of the undamped fixed point, in the order of the step functions
+_FIXED_POINT_VARIANTS = tuple((t, kind) for t in (False, True) for kind in _FIXED_POINT_STOPS)
 
 
 def _check_fixed_point(m):
@@ -143,21 +152,22 @@ def _check_fixed_point(m):
 
 
 def _build_fixed_point(m):
-    X = lyapunov_fixed_point_loop(m.outer["A"], m.outer["Q"], m.outer["X"], m.outer.get("tol", 0.0), m.n_steps,
-                                  stop=_FIXED_POINT_STOPS[m.variant])
+    transposed, stop = _FIXED_POINT_VARIANTS[m.variant]
+    A = m.outer["A"].mT if transposed else m.outer["A"]
+    X = lyapunov_fixed_point_loop(A, m.outer["Q"], m.outer["X"], m.outer.get("tol", 0.0), m.n_steps, stop=stop)
     return {"X": X}
 
 
 register_pattern(Pattern(
     name="lyapunov_fixed_point",
     replaces_with="iterops.linalg.lyapunov_fixed_point_loop",
-    step=(*(_fixed_point_step(s) for s in CONVERGENCE_STOPS), _fixed_point_step_no_stop),
+    step=tuple(_fixed_point_step(stop, t) for t in (False, True) for stop in (*CONVERGENCE_STOPS, None)),
     states=(Role("X", 2),),
     non_sequences=(Role("A", 2), Role("Q", 2), Role("tol", 0, constant_ok=True)),
     provides={"X": "last"},
     check=_check_fixed_point,
     build=_build_fixed_point,
-    doc="fixed point X <- A X A^T + Q (until converged, or n_steps times)",
+    doc="fixed point X <- A X A^T + Q, or A^T X A + Q (until converged, or n_steps times)",
 ))
 
 

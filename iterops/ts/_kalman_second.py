@@ -1,0 +1,118 @@
+r"""Second derivatives of :func:`iterops.ts.kalman_filter`: the pullback of its adjoint Op.
+
+:class:`~iterops.ts.kalman.KalmanFilterGrad` computes ``u = J(x)^T g`` (``x`` the ten inputs
+``y, a0, P0, c, d, T, Z, R, H, Q``, ``g`` the cotangents of the eight outputs, ``J`` the filter's
+Jacobian).  Its pullback, with cotangent ``w`` of ``u``, is
+
+.. math::
+    \bar x = \nabla_x \langle w, J(x)^T g\rangle = \textstyle\sum_i g_i \nabla^2 f_i(x)\, w,
+    \qquad \bar g = J(x)\, w ,
+
+the Hessian-vector products that ``pytensor.hessian``, pymc-extras' ``find_MAP(compute_hessian=True)``
+and ``fit_laplace`` ask for.  Both are taken here by PyTensor's reverse mode, twice, through
+:func:`filter_graph`: the same recursion (module docstring of :mod:`iterops.ts.kalman`: ``sym(P)``,
+missing components dropped, ``cov_jitter``, time-varying matrices) written as a ``pytensor.scan``.
+Exact, not fused: it costs what ``pytensor.hessian`` of that Scan costs (one Scan forward, its
+gradient Scan, and their reverse).  ``ap, Pp`` (the stored predictions the adjoint reads) are
+functions of ``x`` already counted through ``x``: their cotangent is zero.
+
+Failure is a value as in the filter: where ``F[o, o]`` is not positive definite the Cholesky is NaN
+and so is the second derivative.  Not covered: the exact diffuse filter's adjoint (its pullback
+raises ``NotImplementedError``, :func:`iterops._second_order.not_twice_differentiable`).
+
+Code map: :func:`filter_graph` (the Scan), :func:`adjoint_pullback` (the pullback).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+from pytensor.gradient import DisconnectedType
+
+from iterops._second_order import reverse_twice
+
+__all__ = ["filter_graph", "adjoint_pullback"]
+
+LOG_2PI = float(np.log(2.0 * np.pi))
+_NAMES = ("c", "d", "T", "Z", "R", "H", "Q")
+
+
+def _sym(X):
+    return 0.5 * (X + X.T)
+
+
+def _step(y, o, a, P, c, d, T, Z, R, H, Q, jitter):
+    """One step of the filter on core arrays; ``o`` (p,) is 1 on observed components, 0 on missing ones
+    (whose ``y`` is 0).  Returns the next prediction, ``ll``, the filtered moments, ``v`` and ``F``."""
+    m, p = a.shape[0], y.shape[0]
+    S = _sym(P)
+    v = y - d - Z @ a
+    F = Z @ S @ Z.T + _sym(H) + jitter * pt.eye(p)
+    # F[o, o] with ones on the missing diagonal: the Cholesky, solves and log-determinant of F_oo
+    F_oo = pt.switch(pt.outer(o, o) > 0, F, 0.0) + pt.diag(1.0 - o)
+    v_o = pt.switch(o > 0, v, 0.0)
+    L = pt.linalg.cholesky(F_oo)
+    M = S @ (Z * o[:, None]).T  # (m, p), zero columns where missing
+    Kt = pt.linalg.cho_solve((L, True), M.T)  # K^T = F_oo^{-1} M^T
+    ll = -0.5 * (pt.sum(o) * LOG_2PI + 2.0 * pt.sum(pt.log(pt.diag(L))) + v_o @ pt.linalg.cho_solve((L, True), v_o))
+    a_f = a + Kt.T @ v_o
+    P_f = S - Kt.T @ M.T - jitter * (Kt.T @ Kt) + jitter * pt.eye(m)
+    a_next = T @ a_f + c
+    P_next = T @ P_f @ T.T + R @ _sym(Q) @ R.T
+    return a_next, P_next, ll, a_f, P_f, pt.switch(o > 0, v, np.nan), F
+
+
+def filter_graph(y, a0, P0, c, d, T, Z, R, H, Q, time_varying, cov_jitter, missing_value):
+    """The eight outputs of :class:`~iterops.ts.kalman.KalmanFilter` (core shapes, system matrices
+    with their time axis) as a ``pytensor.scan``: ``(loglik, loglik_obs, filtered_state,
+    filtered_cov, predicted_state, predicted_cov, forecast_error, forecast_error_cov)``."""
+    missing = pt.isnan(y)
+    if missing_value is not None:
+        missing = missing | pt.eq(y, missing_value)
+    observed = 1.0 - pt.cast(missing, "float64")
+    y = pt.switch(missing, 0.0, y)
+    mats = dict(zip(_NAMES, (c, d, T, Z, R, H, Q)))
+    seq_names = [k for k, tv in zip(_NAMES, time_varying) if tv]
+    fixed = {k: mats[k][0] for k, tv in zip(_NAMES, time_varying) if not tv}
+    jitter = pt.constant(float(cov_jitter), dtype="float64")
+
+    def step(y_t, o_t, *rest):
+        seqs = dict(zip(seq_names, rest[: len(seq_names)]))
+        a, P = rest[len(seq_names) : len(seq_names) + 2]
+        args = {**fixed, **seqs}
+        return _step(y_t, o_t, a, P, *(args[k] for k in _NAMES), jitter)
+
+    a_next, P_next, llo, af, Pf, v, F = pytensor.scan(
+        step,
+        sequences=[y, observed, *(mats[k] for k in seq_names)],
+        outputs_info=[a0, P0, None, None, None, None, None],
+        return_updates=False,
+    )
+    ap = pt.concatenate([a0[None], a_next], axis=0)
+    Pp = pt.concatenate([P0[None], P_next], axis=0)
+    return [pt.sum(llo), llo, af, Pf, ap, Pp, v, F]
+
+
+def _is_placeholder(g):
+    """A disconnected cotangent reaches the adjoint Op as a zero-size array (see ``KalmanFilter.pullback``)."""
+    return g.type.ndim > 0 and 0 in g.type.shape
+
+
+def adjoint_pullback(op, inputs, cotangents):
+    """Pullback of :class:`~iterops.ts.kalman.KalmanFilterGrad` (module docstring): cotangents of its
+    20 inputs ``(x (10), ap, Pp, g (8))`` given the cotangents ``w`` of its 10 outputs."""
+    x, g = list(inputs[:10]), list(inputs[12:20])
+    w = [None if isinstance(v.type, DisconnectedType) else v for v in cotangents]
+    if all(v is None for v in w):
+        return [pt.zeros_like(v) for v in inputs]
+    g_in = [None if _is_placeholder(v) else v for v in g]
+
+    def graph(*x_):
+        return filter_graph(*x_, op.time_varying, op.cov_jitter, op.missing_value)
+
+    x_bar, g_bar = reverse_twice(graph, x, g_in, w)
+    return [
+        *x_bar, pt.zeros_like(inputs[10]), pt.zeros_like(inputs[11]),
+        *(pt.zeros_like(v) if b is None else b for v, b in zip(g, g_bar)),
+    ]

@@ -1,0 +1,170 @@
+"""Do no harm: iterops' rewrites leave the Scans they do not fuse as PyTensor would, and cheaply.
+
+Oracle: the same graph compiled with ``mode.excluding("iterops")`` (PyTensor alone).  Cost is
+counted, not timed: how often the matcher canonicalizes a user's step or rebuilds a pullback to
+identify a gradient Scan (the expensive steps), and which exceptions iterops code raises or
+catches while compiling (``sys.monitoring``).  Wall-clock figures are in benchmarks/bench_noharm.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from pytensor.compile.mode import get_mode
+from pytensor.scan.op import Scan
+from pytensor.tensor.math import sigmoid, tanh
+
+import iterops
+from iterops.fusion import canonical, gradient
+from iterops.fusion.matcher import Reject
+from iterops.reference_loops import fixed_point_loop
+
+ITEROPS_DIR = str(Path(iterops.__file__).parent)
+
+
+def gru_grad():
+    """PyTensor's test_machine_translation (small): a GRU-style recurrence and the gradient of h[-1].sum()."""
+    rng = np.random.default_rng(0)
+    U, V, W = (pytensor.shared(rng.normal(size=(3, 3), scale=0.1), name=n) for n in "UVW")
+    x, ri, zi = pt.tensor3("x"), pt.tensor3("ri"), pt.tensor3("zi")
+
+    def step(x, ri, zi, h):
+        r, z = sigmoid(ri + h.dot(U)), sigmoid(zi + h.dot(V))
+        return z * tanh(x + (r * h).dot(W)) + (1 - z) * h
+
+    h = pytensor.scan(step, sequences=[x, ri, zi], outputs_info=pt.zeros((4, 3)), name="fpass1",
+                      return_updates=False)
+    return [x, ri, zi], pytensor.grad(h[-1].sum(), [U, V, W])
+
+
+def random_walk():
+    """A step drawing from a shared generator (a non-tensor loop input), as PyTensor's test_simple_shared_random."""
+    rng = pytensor.shared(np.random.default_rng(0))
+    x0 = pt.scalar("x0")
+    xs, _ = pytensor.scan(lambda x: x + pt.random.normal(rng=rng, size=()), outputs_info=[x0], n_steps=5)
+    return [x0], [xs]
+
+
+def gru_forward():
+    """A forward-only tanh recurrence (one 2-D state, three sequences)."""
+    x, ri, zi = pt.tensor3("x"), pt.tensor3("ri"), pt.tensor3("zi")
+    U = pytensor.shared(np.eye(3) * 0.1, name="U")
+    h = pytensor.scan(lambda x, ri, zi, h: tanh(x + ri * zi + h.dot(U)), sequences=[x, ri, zi],
+                      outputs_info=pt.zeros((4, 3)), return_updates=False)
+    return [x, ri, zi], [h]
+
+
+def _compile(build, on):
+    ins, outs = build()
+    mode = get_mode("NUMBA") if on else get_mode("NUMBA").excluding("iterops")
+    return pytensor.function(ins, outs, mode=mode, on_unused_input="ignore")
+
+
+def _op_counts(f):
+    fg = f.maker.fgraph
+    inner = Counter(type(n.op).__name__ for s in fg.apply_nodes if isinstance(s.op, Scan)
+                    for n in s.op.fgraph.apply_nodes)
+    return Counter(type(n.op).__name__ for n in fg.apply_nodes), inner
+
+
+@pytest.mark.parametrize("build", [gru_forward, random_walk])
+def test_unfused_forward_graph_is_pytensors(build):
+    """A Scan no pattern matches compiles to the same graph (Op counts, outer and inner) as PyTensor alone."""
+    assert _op_counts(_compile(build, True)) == _op_counts(_compile(build, False))
+
+
+def test_unfused_gradient_graph_is_no_larger():
+    """The GRU's gradient: no more Scans, outer nodes or inner nodes than PyTensor alone (the mit-mot tape may
+    become a sit-sot), and the same values."""
+    f_on, f_off = _compile(gru_grad, True), _compile(gru_grad, False)
+    (outer_on, inner_on), (outer_off, inner_off) = _op_counts(f_on), _op_counts(f_off)
+    assert outer_on["Scan"] == outer_off["Scan"] == 2
+    assert outer_on.total() <= outer_off.total()
+    assert inner_on.total() <= inner_off.total()
+    vals = [np.random.default_rng(k).normal(size=(6, 4, 3)) for k in range(3)]
+    for a, b in zip(f_on(*vals), f_off(*vals), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+class _Spy:
+    """Counts calls of the matcher's expensive steps and the exceptions iterops code raises or catches."""
+
+    def __init__(self, monkeypatch):
+        self.calls = Counter()
+        for mod, name in ((canonical, "_canonical_user_graph"), (gradient, "_identify")):
+            original = getattr(mod, name)
+
+            def counted(*args, _original=original, _name=name, **kwargs):
+                self.calls[_name] += 1
+                return _original(*args, **kwargs)
+
+            monkeypatch.setattr(mod, name, counted)
+        self.exceptions = []
+        self.rejects = 0
+
+    def __enter__(self):
+        mon = sys.monitoring
+        self.tool = next(t for t in range(6) if mon.get_tool(t) is None)
+        mon.use_tool_id(self.tool, "iterops-noharm-test")
+
+        def seen(code, offset, exc):
+            # closing a generator early (``any(...)``) is the generator protocol, not an error; ``Reject`` is
+            # the unifier's own verdict on a pattern (counted apart)
+            if not code.co_filename.startswith(ITEROPS_DIR) or isinstance(exc, GeneratorExit | StopIteration):
+                return
+            if isinstance(exc, Reject):
+                self.rejects += 1
+            else:
+                self.exceptions.append(f"{type(exc).__name__}: {exc} ({code.co_name})")
+
+        mon.register_callback(self.tool, mon.events.RAISE, seen)
+        mon.register_callback(self.tool, mon.events.EXCEPTION_HANDLED, seen)
+        mon.set_events(self.tool, mon.events.RAISE | mon.events.EXCEPTION_HANDLED)
+        return self
+
+    def __exit__(self, *exc):
+        mon = sys.monitoring
+        mon.set_events(self.tool, 0)
+        mon.free_tool_id(self.tool)
+
+
+def test_random_generator_scan_costs_nothing(monkeypatch):
+    """A Scan whose op alone rules out every pattern (a random generator among its inputs): its step is not
+    canonicalized, and no exception is raised or caught in iterops (PyTensor's test_simple_shared_random made the
+    matcher catch ``ValueError: Length of constant(1,) cannot be determined``)."""
+    with _Spy(monkeypatch) as spy:
+        _compile(random_walk, True)
+    assert spy.calls == Counter()
+    assert spy.exceptions == []
+    assert spy.rejects == 0
+
+
+def test_gru_gradient_rebuilds_no_pullback(monkeypatch):
+    """The GRU's gradient Scan is a multi-tap Scan (rejected from its op) and its forward step unifies with no
+    pattern (decided from its op): no pullback is rebuilt to identify the gradient Scan, no step is
+    canonicalized, and no exception but the unifier's own
+    ``Reject`` verdicts is raised or caught in iterops."""
+    with _Spy(monkeypatch) as spy:
+        f = _compile(gru_grad, True)
+    assert spy.calls["_identify"] == 0
+    assert spy.calls["_canonical_user_graph"] == 0  # its updates read three sequences: more than any pattern binds
+    assert spy.exceptions == []
+    assert sum(isinstance(n.op, Scan) for n in f.maker.fgraph.apply_nodes) == 2
+
+
+def test_matchable_step_is_analysed_once_per_scan(monkeypatch):
+    """A loop that does match is canonicalized once per Scan op however often PyTensor visits it, and the fused
+    graph still replaces it (the cache does not change what is fused)."""
+    A, Q = pt.matrix("A"), pt.matrix("Q")
+    X = fixed_point_loop(A, Q)
+    with _Spy(monkeypatch) as spy:
+        f = pytensor.function([A, Q], [X, *pt.grad((X**2).sum(), [A, Q])])
+    assert not any(isinstance(n.op, Scan) for n in f.maker.fgraph.apply_nodes)
+    assert spy.calls["_canonical_user_graph"] <= 2  # the step, and the step with constants lifted
+    assert spy.calls["_identify"] <= 1
