@@ -360,8 +360,6 @@ def test_reading_the_number_of_steps_run_keeps_the_scan_and_says_why():
     assert iterops.explain(Xs[-1]).replaced  # the same loop without the count is fused
 
 
-@pytest.mark.xfail(reason="the positive semi-definiteness of diag(v * v) is not proved yet (iterops.fusion.proofs)",
-                   strict=True)
 def test_textbook_kalman_with_a_diagonal_of_squares_is_fused():
     """``H = diag(hv * hv)`` is as positive semi-definite as ``diag(hv ** 2)`` (which is fused)."""
     y, a0, L0, hv = pt.tensor("y", shape=(10, 2)), pt.vector("a0"), pt.matrix("L0"), pt.vector("hv")

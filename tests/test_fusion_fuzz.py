@@ -542,6 +542,12 @@ def check_contract(inputs, outputs, values, plain_grad=False):
         if err_g is not None:
             want, err_g = _run(g_values, vals)
             if err_g is not None:  # the loop itself raises: so must the fused graph
+                if err_f is None and isinstance(err_g, np.linalg.LinAlgError):
+                    # a linker-dependent failure (inv / det of a singular F raises under the Python linker,
+                    # gives NaN under Numba): the contract's value is NaN, in every output of the loop
+                    assert all(np.isnan(np.asarray(x, dtype=float)).any() for x in got[:n_out]), (
+                        f"the loop raises {err_g!r}, the fused graph returns a value without NaN: {got}")
+                    continue
                 assert err_f is not None, f"the loop raises {err_g!r}, the fused graph returns {got}"
                 continue
             # only the loop's gradient graph raises (PyTensor's Scan gradient of a 0-step loop)
@@ -806,22 +812,12 @@ def _slot_cases(slot):
     return [tuple(kind if j == slot else "L L^T" for j in range(3)) for kind in CONSTRUCTIONS if kind != "L L^T"]
 
 
-def _wrong_proof(why):
-    """A case the proofs accept today while the fused filter differs from the loop: expected to fail until the
-    proof is fixed (strict: the mark must go then)."""
-    return pytest.mark.xfail(reason=f"iterops.fusion.proofs accepts it: {why}", raises=AssertionError, strict=True)
-
-
 #: the cases the default run checks (each construction in every slot, and their combinations, under ``-m slow``)
 CONSTRUCTION_CASES = [
-    pytest.param(("inc_subtensor(B[:, :], L L^T)", "L L^T", "L L^T"),
-                 marks=_wrong_proof("inc_subtensor(B[:, :], W) read as W, the base B ignored")),
-    pytest.param(("iterops.solve_discrete_lyapunov(A, L L^T)", "L L^T", "L L^T"),
-                 marks=_wrong_proof("the solution for an unstable A taken as positive semi-definite (it is the "
-                                    "Schur method's finite, indefinite one)")),
+    ("inc_subtensor(B[:, :], L L^T)", "L L^T", "L L^T"),
+    ("iterops.solve_discrete_lyapunov(A, L L^T)", "L L^T", "L L^T"),
     ("linalg.solve_discrete_lyapunov(A, L L^T)", "L L^T", "L L^T"),
-    pytest.param(("zeros", "zeros", "L L^T"),  # F = 0 at step 0: the loop raises, the fused filter gives -inf
-                 marks=_wrong_proof("P0 = 0 and H = 0 make F singular at step 0")),
+    ("zeros", "zeros", "L L^T"),  # F = 0 at step 0: the loop raises or gives NaN, and so must the fused graph
     ("L L^T", "inc_subtensor(B[i, i], v**2)", "diag(-v**2)"),
 ]
 _DEFAULT_CASES = {p.values[0] if hasattr(p, "values") else p for p in CONSTRUCTION_CASES}

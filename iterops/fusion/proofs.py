@@ -131,6 +131,8 @@ def is_nonneg(v) -> bool:
         if e is not None and e == round(e) and e % 2 == 0:
             return True  # an even integer power
         return is_nonneg(base)
+    if isinstance(s, ps.Mul) and len(v.owner.inputs) == 2 and _core(v.owner.inputs[0]) is _core(v.owner.inputs[1]):
+        return True  # x * x
     if isinstance(s, _NONNEG_NARY):
         return all(is_nonneg(x) for x in v.owner.inputs)
     return False
