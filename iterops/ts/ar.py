@@ -61,7 +61,7 @@ import numba
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
-from pytensor.gradient import DisconnectedType, disconnected_type
+from pytensor.gradient import DisconnectedType, disconnected_type, grad_not_implemented
 from pytensor.graph.basic import Apply
 from pytensor.graph.replace import graph_replace
 from pytensor.tensor.variable import TensorVariable
@@ -514,7 +514,15 @@ class ARDerivative(FusedOp):
         other = "jvp" if self.mode == "vjp" else "vjp"
         # <w, J^T v> = <v, J w> (vjp) and <w, J v> (jvp): x_bar = sum_i b_i Hess f_i a
         a, b = (w, v) if self.mode == "vjp" else (v, w)
-        x_bar = pt.switch(pt.isnan(outputs[0].sum(axis=-1, keepdims=True)), np.nan, _second_order(self.fn, x, a, b, self.nlags))
+        if x.type.shape[-1] is None:
+            # no static order: the term of x is an error only if it is used (a pushforward through this
+            # pullback needs only the cotangent of v, which is linear)
+            x_bar = grad_not_implemented(
+                self, 0, x, f"Second derivatives of {self.fn} need a static order p (the length of the last axis "
+                f"of its input, here of shape {x.type.shape}); give the input a static shape (pt.specify_shape).")
+        else:
+            x_bar = pt.switch(pt.isnan(outputs[0].sum(axis=-1, keepdims=True)), np.nan,
+                              _second_order(self.fn, x, a, b, self.nlags))
         return [x_bar, _derivative(self.fn, other, x, w, self.nlags)]
 
     def pushforward(self, inputs, outputs, tangents):
