@@ -22,7 +22,7 @@ from conftest import FAST_PY, SCAN_ORACLE
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning",
                                         "ignore::DeprecationWarning")
 
-ss_models = pytest.importorskip("pymc_extras.statespace")
+import pymc_extras.statespace as ss_models  # noqa: E402  (a development dependency: missing, it is a failure)
 from pymc_extras.statespace import structural as st  # noqa: E402
 from pymc_extras.statespace.models import BayesianDynamicFactor  # noqa: E402
 
