@@ -17,9 +17,12 @@ caller before packing (:func:`iterops._validate.check_shape`): ``unpack`` trusts
 
 from __future__ import annotations
 
+import hashlib
+
 import numba
 import numpy as np
 from numba.extending import intrinsic
+from pytensor.link.numba.cache import compile_numba_function_src
 
 __all__ = ["Struct", "Abi", "SIGNATURE", "address"]
 
@@ -83,11 +86,21 @@ class Abi:
             "def unpack(ptrs, dims, vals):\n"
             "    return (\n" + "".join(f"        {u},\n" for u in unpacks) + "    )\n"
         )
-        namespace = {"np": np, "numba": numba, "address": address, "pointer_at": _pointer_at(dtype)}
+        namespace = {"__name__": __name__, "np": np, "numba": numba, "address": address,
+                     "pointer_at": _pointer_at(dtype)}
         namespace |= {s.cls.__name__: s.cls for s in self._structs(args.values())}
-        exec(compile(self.source, f"<iterops._abi {', '.join(args)}>", "exec"), namespace)
-        self.pack = numba.njit(namespace["pack"])
-        self.unpack = numba.njit(namespace["unpack"])
+        # cached on disk like PyTensor's generated functions (its locator, keyed by the source): a new
+        # process or a new graph loads the packer instead of compiling it
+        self.pack, self.unpack = (
+            numba.njit(compile_numba_function_src(self.source, name, namespace, cache_key=self._key(name, dtype)),
+                       cache=True)
+            for name in ("pack", "unpack"))
+
+    def _key(self, name: str, dtype: str) -> str:
+        """The disk-cache key of the generated ``name``: its source, the NamedTuples' modules and ``dtype``."""
+        from iterops._fused import PACKAGE_DIGEST
+
+        return hashlib.sha256(f"{name} {dtype} {PACKAGE_DIGEST}\n{self.source}".encode()).hexdigest()
 
     def _structs(self, structs):
         for s in structs:

@@ -51,6 +51,7 @@ import numpy as np
 from llvmlite import ir
 from numba.core.caching import CacheImpl, _CacheLocator
 from numba.core.typing.ctypes_utils import to_ctypes
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
@@ -381,6 +382,18 @@ def keep_alive(typingctx, arrays):
         return context.get_dummy_value()
 
     return numba.types.none(arrays), codegen
+
+
+@intrinsic
+def writable(typingctx, arr):
+    """``arr`` typed as writable (no copy): a read-only input (a graph constant) then shares the entry
+    point's compiled specialisation with a writable one.  Kernels never write their inputs."""
+    sig = arr.copy(readonly=False)(arr)
+
+    def codegen(context, builder, signature, args):
+        return impl_ret_borrowed(context, builder, signature.return_type, args[0])
+
+    return sig, codegen
 
 
 @intrinsic

@@ -77,18 +77,35 @@ class ShapeError(ValueError):
         return f"{func}: {name} must have shape {spec} = {want} at run time, got {name} with shape {tuple(got)}"
 
 
-@numba.njit(cache=True)
+_str = numba.types.unicode_type
+#: the checks' compiled signatures: shapes of 1 to 4 dimensions.  Explicit signatures keep string arguments,
+#: which Numba types as literals at each call site, from compiling one specialisation per message.
+_CHECK_SIGNATURES = [numba.types.none(_str, _str, _str, numba.types.UniTuple(numba.types.int64, k),
+                                      numba.types.UniTuple(numba.types.int64, k)) for k in range(1, 5)]
+
+
+@numba.njit(_CHECK_SIGNATURES, cache=True)
+def _check_dims(func, name, spec, got, want):
+    for i in range(len(want)):
+        if want[i] >= 0 and got[i] != want[i]:
+            raise ShapeError(func, name, spec, got, want)
+
+
+@numba.njit(_CHECK_SIGNATURES, cache=True)
+def _check_min(func, name, spec, got, want):
+    if got[0] < want[0]:
+        raise ShapeError(func, name, spec, got, want)
+
+
+@numba.njit(inline="always")
 def check_shape(func, name, x, spec, want):
     """Raise :class:`ShapeError` unless ``x.shape`` matches ``want`` (a tuple; ``-1`` = any size).
 
     ``spec`` says where ``want`` comes from, e.g. ``"(n, k), n = len(c)"``."""
-    for i in range(len(want)):
-        if want[i] >= 0 and x.shape[i] != want[i]:
-            raise ShapeError(func, name, spec, x.shape, want)
+    _check_dims(func, name, spec, x.shape, want)
 
 
-@numba.njit(cache=True)
+@numba.njit(inline="always")
 def check_at_least(func, name, x, spec, length):
     """Raise :class:`ShapeError` unless the 1-d ``x`` has at least ``length`` entries."""
-    if x.shape[0] < length:
-        raise ShapeError(func, name, spec, x.shape, (length,))
+    _check_min(func, name, spec, x.shape, (length,))

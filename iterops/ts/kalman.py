@@ -170,7 +170,7 @@ from pytensor.tensor.variable import TensorVariable
 
 from iterops._second_order import not_twice_differentiable
 from iterops._abi import SIGNATURE, Abi, Struct
-from iterops._fused import FusedOp, data_ptr, entry_point, keep_alive, opaque_kernel, register_fused_op
+from iterops._fused import FusedOp, data_ptr, entry_point, keep_alive, opaque_kernel, register_fused_op, writable
 from iterops._validate import as_tensor, check_shape, float_dtype
 from iterops.ts._kalman_adjoint import Cotangents, InputCotangents, kalman_adjoint_kernel
 from iterops.ts._kalman_diffuse import DiffuseOutputs, diffuse_adjoint, diffuse_filter, diffuse_outputs
@@ -290,9 +290,9 @@ _diffuse_filter_args, _diffuse_adjoint_args = DIFFUSE_FILTER_ABI.unpack, DIFFUSE
 
 @numba.njit(cache=True)
 def contiguous(x):
-    """C-contiguous float64 view or copy: the kernels are compiled (and cached) for C layouts only,
-    and run several times faster on them than on strided views."""
-    return np.ascontiguousarray(x)
+    """C-contiguous, writable-typed float64 view or copy: the kernels and helpers are compiled (and cached)
+    for that one type (C layouts also run several times faster than strided views)."""
+    return writable(np.ascontiguousarray(x))
 
 
 @numba.njit(cache=True)
@@ -323,23 +323,35 @@ def check_inputs(func, x, tv):
     check_shape(func, "Q", s.Q, "(t, r, r)" + where, (t[6], r, r))
 
 
-@numba.njit(cache=True)
+@numba.njit(inline="always")
 def _cotangent(func, name, g, want):
     """A per-step cotangent checked against ``want`` (contiguous), or, disconnected (no rows), an empty one
     of ``want``'s other dimensions."""
     if g.shape[0] == 0:
         return np.zeros((0,) + want[1:])
     check_shape(func, name, g, "(rows of the output, ...)", want)
-    return contiguous(g)
+    return g
+
+
+@numba.njit(inline="always")
+def _contiguous7(g):
+    """:func:`contiguous` of each of 7 arrays (one compiled helper for any mix of layouts)."""
+    c = contiguous
+    return c(g[0]), c(g[1]), c(g[2]), c(g[3]), c(g[4]), c(g[5]), c(g[6])
+
+
+@numba.njit(inline="always")
+def cotangents_of(func, gll, g, x):
+    """:class:`Cotangents` of the log-likelihood's cotangent ``gll`` (0-d) and the per-step cotangents ``g``
+    (7 arrays, as :class:`FilterOutputs`) of a filter on the :class:`Inputs` ``x``, checked."""
+    return _checked_cotangents(func, gll[()], _contiguous7(g), x)
 
 
 @numba.njit(cache=True)
-def cotangents_of(func, gll, g, x):
-    """:class:`Cotangents` of the per-step cotangents ``g`` (7 arrays, as :class:`FilterOutputs`) of a filter
-    on the :class:`Inputs` ``x``, checked."""
+def _checked_cotangents(func, gll, g, x):
     (n, p), m = x.y.shape, x.a0.shape[0]
     return Cotangents(
-        gll[()], _cotangent(func, "loglik_obs cotangent", g[0], (n,)),
+        gll, _cotangent(func, "loglik_obs cotangent", g[0], (n,)),
         _cotangent(func, "filtered_state cotangent", g[1], (n, m)),
         _cotangent(func, "filtered_cov cotangent", g[2], (n, m, m)),
         _cotangent(func, "predicted_state cotangent", g[3], (n + 1, m)),
@@ -349,13 +361,18 @@ def cotangents_of(func, gll, g, x):
     )
 
 
-@numba.njit(cache=True)
+@numba.njit(inline="always")
 def predictions_of(func, ap, Pp, x):
     """The :class:`Moments` of the predictions ``(ap, Pp)`` a gradient Op gets, checked against ``x``."""
+    return _checked_predictions(func, contiguous(ap), contiguous(Pp), x)
+
+
+@numba.njit(cache=True)
+def _checked_predictions(func, ap, Pp, x):
     n, m = x.y.shape[0], x.a0.shape[0]
     check_shape(func, "predicted_state", ap, "(n + 1, m)", (n + 1, m))
     check_shape(func, "predicted_cov", Pp, "(n + 1, m, m)", (n + 1, m, m))
-    return Moments(contiguous(ap), contiguous(Pp))
+    return Moments(ap, Pp)
 
 
 @numba.njit(cache=True)
@@ -426,7 +443,7 @@ def _adjoint_entry(tv: tuple, jitter: float, mv: float, use_mv: bool):
     @numba.njit
     def kalman_filter_grad_fn(*args):
         func, options = "kalman_filter gradient", Options(jitter, mv, use_mv)
-        x = inputs_of(args)
+        x = inputs_of(args[:10])
         check_inputs(func, x, tv)
         predicted = predictions_of(func, args[10], args[11], x)
         cot = cotangents_of(func, args[12], args[13:], x)
@@ -650,7 +667,7 @@ def _diffuse_filter_entry(tv: tuple, mv: float, use_mv: bool):
 
     @numba.njit
     def kalman_filter_diffuse_fn(*args):
-        x, P_inf = _diffuse_inputs("kalman_filter(diffuse=...)", args, tv)
+        x, P_inf = _diffuse_inputs("kalman_filter(diffuse=...)", args[:11], tv)
         s, n = x.system, x.y.shape[0]
         ll, dd, ok, out = run(x, P_inf)
         if ok and dd < n:
@@ -697,7 +714,7 @@ def _diffuse_adjoint_entry(tv: tuple, mv: float, use_mv: bool):
     @numba.njit
     def kalman_filter_diffuse_grad_fn(*args):
         func = "kalman_filter(diffuse=...) gradient"
-        x, P_inf = _diffuse_inputs(func, args, tv)
+        x, P_inf = _diffuse_inputs(func, args[:11], tv)
         predicted = predictions_of(func, args[11], args[12], x)
         cot = cotangents_of(func, args[13], args[14:], x)
         s, n, m = x.system, x.y.shape[0], x.a0.shape[0]
