@@ -131,15 +131,20 @@ def run(quick: bool = False) -> list[Section]:
             "pymc-extras compile (s)", "iterops compile (s)", "compile ratio",
         ],
         notes=(
-            "statsmodels: `KalmanFilter.loglike` (Cython, known initialization, its steady-state shortcut on). "
-            "pymc-extras: `StandardFilter().build_graph` log-likelihood + `pytensor.grad` (Scan), default mode. "
-            "iterops: `kalman_filter(...).loglik` (+ `pytensor.grad`), default mode, cov_jitter=0. "
-            "Compile = graph construction + `pytensor.function` + first call (loglik+grad), warm on-disk caches: "
-            "before any timing, `_warm_up` loaded iterops' Kalman kernels and built both sides once on a tiny "
-            f"model (this run: iterops {warm_ours:.1f} s, pymc-extras {warm_theirs:.1f} s: its import, 7.7 s at "
-            "load 3, and a first Scan compile), so that no case's compile column holds a kernel compile or an "
-            "import.  Each case's graph is new to the process; its compile reads the on-disk caches a previous "
-            "run left."
+            "\n".join([
+                "- statsmodels: `KalmanFilter.loglike` (Cython, known initialization, its steady-state shortcut "
+                "on).",
+                "- pymc-extras: `StandardFilter().build_graph` log-likelihood + `pytensor.grad` (Scan), default "
+                "mode.",
+                "- iterops: `kalman_filter(...).loglik` (+ `pytensor.grad`), default mode, cov_jitter=0.",
+                "- Compile = graph construction + `pytensor.function` + first call (loglik+grad), warm on-disk "
+                "caches.",
+                "- Before any timing, `_warm_up` loads iterops' Kalman kernels and builds both sides once on a "
+                f"tiny model (this run: iterops {warm_ours:.1f} s, pymc-extras {warm_theirs:.1f} s, its import and "
+                "a first Scan compile). No compile column holds a kernel compile or an import.",
+                "- Each case's graph is new to the process; its compile reads the on-disk caches a previous run "
+                "left.",
+            ])
         ),
     )
     for label, m, p, n in CASES:
@@ -448,79 +453,70 @@ def run_real_models(quick: bool = False) -> list[Section]:
             "f+g vs pymc-extras", "fwd / operand-shape limit",
         ],
         notes=(
-            f"n={n} simulated observations per model.  System matrices from statsmodels at fixed parameters "
-            "(`UnobservedComponents('lltrend', seasonal=12)`, `SARIMAX`, `VARMAX(order=(2, 0))`, and the random "
-            "dense model of the section above), known initialization (stationary P0, or 10 I for the structural "
-            "model) for every filter.  statsmodels: `ssm.loglike()` (conventional filter, its steady state). "
-            "pymc-extras: `StandardFilter(cov_jitter=1e-8).build_graph` log-likelihood + `pytensor.grad`, compiled "
-            "with `mode.excluding('iterops')` (the Scan, not fused).  iterops: `kalman_filter(..., cov_jitter=1e-8, "
-            "missing_value=-9999.0)` log-likelihood (+ gradient w.r.t. a0, P0 and every system matrix); the "
-            "jitter-0 column is the same without jitter.\n\n"
-            f"Jitter: `f+g jitter / jitter 0` is the median of {rounds} ratios of process CPU time, each from a "
-            "best-of-5 of the jitter-1e-8 f+g then one of the jitter-0 f+g, interleaved in one process (ABAB...), "
-            "with the smallest and largest ratio (`_interleaved_ratios`); `frozen steps` counts the predicted "
-            "covariances equal to the previous one (the steps the forward ran with its covariance frozen, from its "
-            "`predicted_cov` output), with jitter 1e-8 and 0.  "
-            "The two separate f+g columns are single best-of measurements taken minutes apart.\n\n"
-            "Limits of the forward filter, two columns.  `peak-rate flop estimate`: `_flop_estimate` (the full "
-            "steps before the covariance froze, counted from iterops' output, then mean-only steps) divided by "
-            "the flop rate of one 500x500 BLAS product on all cores (the machine's peak); it is not reachable at "
-            "m <= 20 (small products run far below peak) and it moves with the machine's load, so it is shown, "
-            "not used.  `operand-shape limit`: the measured time of `_limit_steps`, a Numba loop that does only "
-            "the dense matrix work of the same number of full and frozen steps at the model's shapes (P Z^T, "
-            "F = Z P Z^T + H, Cholesky of F, the gain's triangular solves, P_f = P - K (P Z^T)^T, T P_f T^T + "
-            "R Q R^T; then v, F^{-1} v, a + K v, T a_f), every work array preallocated, products by "
-            "`np.dot(X, Y, out)` (BLAS), by plain loops or by loops up to 10^3 multiply-adds and BLAS above, "
-            "whichever of the three is fastest for that model (no missing-value "
-            "handling, no outputs, no structure of T or Z used: a sparse T or Z lets the filter beat it).  The "
-            "dense m=20 target is the operand-shape limit over the forward; the next section measures the gap per "
-            "step.\n\n"
-            "Why the dense m=20 target is not met (measured 2026-12-02 at load 3, n=300, `per_full_step` twice, "
-            "and perf): per full step the forward takes 1.8-2.0x the operand-shape limit (CPU time 10.5-13.6 us "
-            "against 5.8-6.9 us; the next section).  Of that, iterops' product helper (`matmul`: contiguous "
-            "copies of transposed operands, an allocating `np.dot`, a copy into the output) costs 1.24-1.45x at "
-            "these shapes (8.4-10.3 us against 5.8-8.3 us for the same size rule without copies).  perf of the "
-            "forward over the "
-            "79 full steps: 65% of samples in Numba-compiled code, 22% in OpenBLAS (6% of it packing copies), "
-            "5.6% in libc (malloc, free, memset: the helper's allocations), 4.7% in Python (the call).  The rest "
-            "of the gap is compiled scalar work the limit does not do: the symmetrizations of P, F, P_f and P' "
-            "(`sym_into` and the one-triangle loops), P_f's rank-5 update in loops (k = 5 <= `SMALL`, with the "
-            "jitter's K K^T term in the same loop), the convergence test, and the copies of each step's "
-            "filtered state and covariance, F and P into the outputs.\n\n"
-            "Why the structural targets are not met (measured 2026-12-02, n=300, at load 5-7"
-            "): (1) the structural model never reaches a steady state, with or without jitter: the relative "
-            "change of the predicted covariance per step is 1e-1 at t=10, 2e-3 at t=100 and 1.8e-5 at t=299 "
-            "against the shortcut's tolerance of 1e-14, and a dense NumPy filter of the same recursion converges "
-            "only at step 1655 (the closed loop's largest eigenvalue is 0.992), so every step is a full step and "
-            "no tolerance or jitter change could legitimately help; statsmodels runs the same full steps.  (2) "
-            "The forward's full step costs about 2.7 us (loaded) of scalar-loop arithmetic with the structured "
-            "products of `T`/`Z` (about 1.5-1.8x statsmodels); 3x needs about 1.5x fewer operations per step or "
-            "vectorised loops, which change the summation order.  The dense operand-shape limit, which uses none "
-            "of T's and Z's zeros, is faster still: 1.7-3.0 us per full step against the forward's 4.0-4.2 us "
-            "(CPU time, load 3, `per_full_step` twice), so at m=13, p=1 the structured scalar loops and the "
-            "helper's copies (1.45x at these shapes) cost more than the zeros they skip save.  (3) The adjoint "
-            "is most of f+g: it recomputes each step's update and spends about 7 us per step (loaded) in scalar "
-            "loops (perf: 75% of samples in the compiled loops, 4.4% in BLAS including the dense `T` cotangent, "
-            "3% malloc/free), so `T`'s dense cotangent is not the bound; 25x needs the update's reverse loops "
-            "merged and the forward's stored update reused.  Since 2026-12-02 a reverse step no longer rebuilds "
-            "the steady-stretch cache (1.4-1.6x faster adjoint here) and thin products no longer go to BLAS.  "
-            "Since 2026-12-03 a step with one observable (structural, SARIMAX) is a rank-one update without "
-            "Cholesky and its reverse has its loops merged; per-step figures against the cost model's floor, and "
-            "what bounds them now, in the section `Kalman filter: cost model`.\n\n"
-            "Jitter 1e-8 against 0 (measured 2026-12-02, n=300, at load 3: 11 interleaved rounds, CPU time): f+g "
-            "jitter / 0 = 0.98 (0.83-1.12) structural, 1.15 (1.12-1.81) SARIMAX, 1.04 (0.84-1.70) VAR, 1.07 "
-            "(1.02-1.14) dense; the forward alone does the same work with and without jitter (wall-time medians "
-            "0.94-1.06).  Both variants freeze the same steps (SARIMAX: 178 from step 123; dense 221 / 220; VAR "
-            "297 / 298; structural none), so the difference is not in the forward.  It is in the adjoint's "
-            "steady stretch: a frozen reverse step inside the stretch's window runs the covariance recursion "
-            "(`_steady_cov_step`), and with j != 0 `_jitter_congruence` adds the j^2 N^T G N terms, two more "
-            "m x m x m products, twice per step.  The window is the first power of two K with "
-            "||(T (I - K Z))^K||_F^2 <= 1e-18, or the whole stretch when K is not shorter: SARIMAX's closed loop "
-            "has spectral radius 0.87, K = 256 >= 178, so all 178 frozen reverse steps run the recursion: 178 x "
-            "2 pairs x 3.1 us (one pair of m=14 products, measured, loaded) = 1.1 ms, against the quiet run's "
-            "4.22 - 2.97 = 1.25 ms.  Dense: radius 0.81, K = 128 of 221 steps, 128 x 2 x 2.2 us = 0.57 ms (about "
-            "7-9% of f+g).  VAR: K = 2.  At j = 1e-8 those terms have relative size about j^2 = 1e-16; whether "
-            "to skip them is a kernel question, not settled by this benchmark."
+            "\n".join([
+                f"- n={n} simulated observations per model. System matrices from statsmodels at fixed parameters: "
+                "`UnobservedComponents('lltrend', seasonal=12)`, `SARIMAX`, `VARMAX(order=(2, 0))`; and the "
+                "random dense model above.",
+                "- Known initialization for every filter: the stationary P0, or 10 I for the structural model.",
+                "- statsmodels: `ssm.loglike()` (conventional filter, its steady state).",
+                "- pymc-extras: `StandardFilter(cov_jitter=1e-8).build_graph` log-likelihood + `pytensor.grad`, "
+                "compiled with `mode.excluding('iterops')` (the Scan, not fused).",
+                "- iterops: `kalman_filter(..., cov_jitter=1e-8, missing_value=-9999.0)` log-likelihood, + "
+                "gradient w.r.t. a0, P0 and every system matrix. The jitter-0 column: the same without jitter.",
+                f"- `f+g jitter / jitter 0`: median (min-max) of {rounds} ratios of process CPU time, each a "
+                "best-of-5, jitter 1e-8 and 0 interleaved in one process (`_interleaved_ratios`). The two "
+                "separate f+g columns are single best-of measurements taken minutes apart.",
+                "- `frozen steps`: predicted covariances equal to the previous one (the steps the forward ran "
+                "frozen, from `predicted_cov`), jitter 1e-8 / 0.",
+                "- `peak-rate flop estimate`: `_flop_estimate` (full steps until the covariance froze, then "
+                "mean-only steps) over the flop rate of a 500x500 BLAS product on all cores. Unreachable at m <= "
+                "20 and load-dependent: shown, not used.",
+                "- `operand-shape limit`: `_limit_steps`, a Numba loop doing only the dense matrix work of the "
+                "same full and frozen steps at the model's shapes (P Z^T, F = Z P Z^T + H, chol(F), the gain's "
+                "solves, P_f, T P_f T^T + R Q R^T; v, the solve with v, a + K v, T a_f).",
+                "- The limit preallocates its work arrays and takes the fastest of BLAS, plain loops, or loops up "
+                "to 10^3 multiply-adds. It has no missing values, no outputs and no structure of T or Z: a sparse "
+                "T or Z lets the filter beat it.",
+                "- The dense m=20 target is the operand-shape limit over the forward; the next section measures "
+                "the gap per step.",
+                "",
+                "Why the dense m=20 target is missed (measured 2026-12-02, load 3, n=300):",
+                "- Per full step the forward takes 1.8-2.0x the operand-shape limit (CPU time 10.5-13.6 us "
+                "against 5.8-6.9 us).",
+                "- iterops' product helper (`matmul`: copies of transposed operands, an allocating `np.dot`, a "
+                "copy into the output) costs 1.24-1.45x at these shapes.",
+                "- perf over the 79 full steps: 65% of samples in Numba-compiled code, 22% in OpenBLAS, 5.6% in "
+                "libc (the helper's allocations), 4.7% in Python.",
+                "- The rest is scalar work the limit does not do: the symmetrizations, P_f's rank-5 update in "
+                "loops, the convergence test, the copies into the outputs.",
+                "",
+                "Why the structural targets are missed (measured 2026-12-02, n=300, load 5-7):",
+                "- The model never reaches a steady state: the covariance's relative change per step is 1.8e-5 at "
+                "t=299, against the shortcut's 1e-14 (closed-loop eigenvalue 0.992). Every step is a full step, "
+                "in statsmodels too.",
+                "- Forward: the structured scalar loops and the helper's copies cost more than the zeros they "
+                "skip. The dense operand-shape limit is faster (1.7-3.0 us against 4.0-4.2 us per full step).",
+                "- 3x needs about 1.5x fewer operations per step, or vectorised loops, which change the summation "
+                "order.",
+                "- Adjoint: most of f+g, about 7 us per step in scalar loops (perf: 75% in the compiled loops, "
+                "4.4% in BLAS). 25x needs the update's reverse loops merged and the forward's stored update "
+                "reused.",
+                "- Since 2026-12-02 a reverse step no longer rebuilds the steady-stretch cache (adjoint 1.4-1.6x "
+                "faster). Since 2026-12-03 a one-observable step is a rank-one update with a merged reverse: see "
+                "`Kalman filter: cost model`.",
+                "",
+                "Jitter 1e-8 against 0 (measured 2026-12-02, n=300, load 3, 11 interleaved rounds):",
+                "- f+g jitter / 0: 0.98 structural, 1.15 SARIMAX, 1.04 VAR, 1.07 dense. The forward alone does "
+                "the same work either way.",
+                "- Both freeze the same steps, so the difference is in the adjoint's steady stretch. With j != 0, "
+                "`_jitter_congruence` adds two m x m x m products, twice per frozen reverse step in the stretch's "
+                "window.",
+                "- SARIMAX (closed-loop radius 0.87): the window covers all 178 frozen steps, about 1.1 ms, "
+                "against a measured difference of 1.25 ms. Dense (radius 0.81): 128 of 221 steps, 0.57 ms, 7-9% "
+                "of f+g.",
+                "- Those terms have relative size about j^2 = 1e-16. Whether to skip them is a kernel question, "
+                "not settled here.",
+            ])
         ),
 
     )
@@ -532,17 +528,20 @@ def run_real_models(quick: bool = False) -> list[Section]:
             "iterops / best limit", "helper / loops-BLAS by size",
         ],
         notes=(
-            "Process CPU time (`per_full_step`; the kernels run one thread, so other processes' load does not "
-            "count) per full step (covariance recursion running): the iterops forward (`kalman_filter(..., "
-            "cov_jitter=1e-8).loglik`, default mode) on the first `full steps` observations of each model, where "
-            "no covariance has frozen yet, less the same on the first observation only (the call's fixed cost), "
-            "over `full steps` - 1 (n/a below 10 full steps).  `_limit_steps` (see the section above) per full "
-            "step, with every product by BLAS into a preallocated output (`np.dot(X, Y, out)`), by plain loops, "
-            "by loops up to 10^3 multiply-adds and BLAS into the output above (iterops' size rule, "
-            "`_linalg_kernels.SMALL`), and by iterops' own `_linalg_kernels.matmul` (the same rule, but above "
-            "it contiguous copies of the operands, an allocating `np.dot` and a copy into the output: how the "
-            "filter's products run).  `iterops / best limit`: over the fastest of the first three; `helper / "
-            "loops-BLAS by size`: what the helper's copies and allocations alone cost at these shapes."
+            "\n".join([
+                "- Process CPU time per full step (`per_full_step`; the kernels run one thread, so other "
+                "processes' load does not count).",
+                "- iterops: the forward (`kalman_filter(..., cov_jitter=1e-8).loglik`, default mode) on the first "
+                "`full steps` observations (no covariance frozen yet), less the same on the first observation "
+                "(the call's fixed cost), over `full steps` - 1. n/a below 10 full steps.",
+                "- Limits: `_limit_steps` (section above) per full step, its products by BLAS into a preallocated "
+                "output (`np.dot(X, Y, out)`), by plain loops, or by loops up to 10^3 multiply-adds and BLAS "
+                "above (iterops' size rule, `_linalg_kernels.SMALL`).",
+                "- Helper: the same with iterops' `_linalg_kernels.matmul` (the size rule, but with operand "
+                "copies, an allocating `np.dot` and an output copy above it: how the filter's products run).",
+                "- `iterops / best limit`: over the fastest of the first three limits. `helper / loops-BLAS by "
+                "size`: what the helper's copies and allocations cost at these shapes.",
+            ])
         ),
     )
     rate = _flop_rate()
@@ -647,35 +646,35 @@ def _cost_models(n):
     return out
 
 
-_COST_NOTES = (
-    "n={n}.  Multiply-adds per full step (`step_madds`: the forward's and the adjoint's arithmetic at "
-    "the model's sparsity, one triangle of each symmetric matrix, the dense cotangent of T included), "
-    "divided by the machine's small-product rate (`small_product_rate`: an (m, m) x (m, m) product into a "
-    "preallocated output at the model's m, process CPU time; at m = 1 the rate of m = 2) is the floor: "
-    "at BLAS's vectorised rate (every product dense and vectorised: not reachable by loops that index "
-    "their operands through lists of nonzeros) and at plain loops' rate (one multiply-add after the "
-    "other: the floor of a scalar loop over the nonzeros, the one the ratios use).  Arithmetic only: "
-    "the floor has no loads of the index lists, no tests, no output writes.  Per step: process "
-    "CPU time of `kalman_filter(..., cov_jitter=1e-8).loglik` (fwd) and of the loglik + gradient w.r.t. "
-    "every input (f+g) on the first `full steps` observations (no covariance frozen), less the same on "
-    "the first observation (the call's fixed cost), over `full steps` - 1; adjoint = f+g - fwd.  n/a "
-    "below 10 full steps.  Last row: one call of a local level at n=10 (the fixed cost of a call).\n\n"
-    "What bounds the structural forward at about 5x its loop floor (measured 2026-12-03 at load 10-13, "
-    "process CPU time, so absolute figures run high; before/after from the same script run alternately, "
-    "one process each): since 2026-12-03 a step with one observable is a rank-one update on P_t itself "
-    "(no Cholesky, no symmetrization, no copy) and the finiteness checks and the steady-state test ride "
-    "on the passes that write P_f and P' (forward 3.06 -> 1.30-1.66 us per full step; statsmodels / "
-    "forward in one process 0.85-0.90 -> 1.17-1.56 in three alternate pairs of runs; f+g / statsmodels' forward 3.9-4.1 -> 2.5-2.7); the adjoint reverses that update "
-    "in four merged passes instead of ten and the dense cotangent of T goes to BLAS without copies "
-    "(f+g 7.9 -> 4.5-6.8 us per full step).  What remains: (1) a per-step fixed cost of about 0.4 us "
-    "forward and 1.2 us adjoint, measured on the local level (m = 1: 10 and 17 multiply-adds per step "
-    "cost 0.43 and 1.18 us): each stage is a compiled function called with its arrays and work "
-    "NamedTuples flattened into about a hundred arguments, plus the step's views; (2) the loops over "
-    "lists of nonzeros load an index per multiply-add and run below the plain loops' rate; (3) passes "
-    "the floor does not count: both triangles of P_f and P' are stored (they are outputs), the sums "
-    "that say whether they are finite.  The adjoint's floor is dominated by the dense cotangent of T "
-    "(2 G T P_f, m^3 = 2197 of its 4086 multiply-adds, about 0.25 us by BLAS)."
-)
+_COST_NOTES = "\n".join([
+    "- n={n}. The floor: multiply-adds per full step over the machine's small-product rate; arithmetic only (no "
+    "index loads, no tests, no output writes).",
+    "- `step_madds`: the forward's and the adjoint's arithmetic at the model's sparsity, one triangle of each "
+    "symmetric matrix, the dense cotangent of T included.",
+    "- `small_product_rate`: an (m, m) x (m, m) product into a preallocated output at the model's m, process CPU "
+    "time (at m = 1, m = 2's rate). Two rates: BLAS's vectorised one (unreachable for loops over lists of "
+    "nonzeros) and plain loops' (the one the ratios use).",
+    "- Per step: process CPU time of `kalman_filter(..., cov_jitter=1e-8).loglik` (fwd) and of loglik + gradient "
+    "w.r.t. every input (f+g). On the first `full steps` observations, less the first observation's, over `full "
+    "steps` - 1; adjoint = f+g - fwd; n/a below 10 full steps.",
+    "- Last row: one call of a local level at n=10 (the fixed cost of a call).",
+    "",
+    "What bounds the structural forward at about 5x its loop floor (measured 2026-12-03 at load 10-13, so "
+    "absolute figures run high):",
+    "- Since 2026-12-03 a one-observable step is a rank-one update on P_t (no Cholesky, symmetrization or copy); "
+    "the finiteness and steady-state tests ride on the passes that write P_f and P'.",
+    "- Effect: forward 3.06 -> 1.30-1.66 us per full step; statsmodels / forward 0.85-0.90 -> 1.17-1.56.",
+    "- The adjoint reverses that update in four merged passes instead of ten; T's dense cotangent goes to BLAS "
+    "without copies. f+g 7.9 -> 4.5-6.8 us per full step.",
+    "- Remaining (1): a per-step fixed cost, about 0.4 us forward and 1.2 us adjoint (the local level: 10 and 17 "
+    "multiply-adds cost 0.43 and 1.18 us). Each stage is a compiled call with about a hundred flattened "
+    "arguments.",
+    "- Remaining (2): loops over lists of nonzeros load an index per multiply-add, below the plain loops' rate.",
+    "- Remaining (3): passes the floor does not count: both triangles of P_f and P' are stored (they are "
+    "outputs), and sums check they are finite.",
+    "- The adjoint's floor is dominated by T's dense cotangent (2 G T P_f: 2197 of 4086 multiply-adds, about 0.25 "
+    "us by BLAS).",
+])
 
 
 def run_cost_model(quick: bool = False) -> list[Section]:

@@ -77,30 +77,34 @@ def run(quick: bool) -> list[Section]:
         columns=["model", "sampler", "implementation", "logp+dlogp compile (s)", "logp+dlogp call (us)",
                  "sampling (s)", "sampling per leapfrog step, est. (us)", "min bulk ESS", "ESS/s", "ESS/s ratio",
                  "call ratio", "compile ratio"],
-        notes=(f"{chains} chains x ({tune} tune + {draws} draws), chains in parallel, both NUTS samplers: nutpie "
-               "(`pm.sample()`'s default when installed) and PyMC's Python NUTS. Scan models: the textbook "
-               "`pytensor.scan` Kalman filter (`iterops.reference_loops.kalman_textbook_loop`, via "
-               "`iterops.demo.scan_loglik`) and PyTensor's `solve_discrete_lyapunov`, compiled and sampled with "
-               "iterops' rewrites off. Compile: logp + dlogp as PyMC compiles them, in a new process whose "
-               "PyTensor cache is empty and iterops' kernels are cached (a user's first compile of the model "
-               "after iterops' one-off kernel compile; cold compiles, kernels included: the compile-time "
-               "section). Sampling: the sampler's own wall time. "
-               "Call: one joint logp + gradient call (`model.logp_dlogp_function`, what a NUTS leapfrog step "
-               "evaluates), best of 5 rounds. Per leapfrog step: the sampler's wall time over its steps (one "
-               "chain; the tuning draws' steps estimated from the kept draws'), the call plus the sampler's own "
-               "work. Ratios: iterops ESS/s over Scan ESS/s; Scan call time over iterops'; Scan compile time "
-               "over iterops'. The ESS/s ratio is the per-step time ratio times the ratio of ESS per draw, which "
-               "is noise around 1 (both implementations sample the same posterior); the per-step time ratio "
-               "is bounded by the call ratio, and falls towards 1 where the sampler's own work per step "
-               "dominates. What bounds the missed targets (measured 2026-12-03, quiet machine): Nile: a loop of "
-               "100 steps of a one-state model is too short for a fused call's fixed part to vanish: "
-               "`kalman_filter` + gradient of a local-level model costs 22 us at n = 10, 49 us at n = 100, 104 us "
-               "at n = 1000 (the Scan call 178 us at n = 100), so the call ratio, about 4x, bounds the ESS/s "
-               "ratio for any sampler; PyMC's NUTS adds about 170 us of its own Python per leapfrog step, most "
-               "of each step, hence about 1.4x there. Compile ratios: with iterops' kernels cached, the "
-               "inflation model's 23.7 s are PyTensor's compile of the model graph around the Ops (its graph "
-               "functions 4.5 s, indexing, gemm, split, shape checks), of which iterops' entry points are "
-               "2.2 s; the Scan model pays the same outer graph plus its loop."),
+        notes=("\n".join([
+            f"- {chains} chains x ({tune} tune + {draws} draws), in parallel, with two NUTS samplers: nutpie "
+            "(`pm.sample()`'s default when installed) and PyMC's Python NUTS.",
+            "- Scan models: the textbook `pytensor.scan` Kalman filter "
+            "(`iterops.reference_loops.kalman_textbook_loop`, via `iterops.demo.scan_loglik`) and PyTensor's "
+            "`solve_discrete_lyapunov`, iterops' rewrites off.",
+            "- Compile: logp + dlogp as PyMC compiles them, in a new process with an empty PyTensor cache and "
+            "iterops' kernels cached. Cold compiles: the compile-time section.",
+            "- Sampling: the sampler's own wall time.",
+            "- Call: one joint logp + gradient call (`model.logp_dlogp_function`, what a leapfrog step "
+            "evaluates), best of 5 rounds.",
+            "- Per leapfrog step: the sampler's wall time over its steps (one chain; tuning steps estimated from "
+            "the kept draws'). It is the call plus the sampler's own work.",
+            "- Ratios: iterops ESS/s over Scan ESS/s; Scan call and compile time over iterops'.",
+            "- The ESS/s ratio is the per-step time ratio times the ESS-per-draw ratio (noise around 1: the same "
+            "posterior). The per-step ratio is at most the call ratio, and nears 1 where the sampler's own work "
+            "dominates.",
+            "",
+            "Why the missed targets are missed (measured 2026-12-03, quiet machine):",
+            "- Nile: 100 steps of a one-state model are too short for a fused call's fixed part to vanish. "
+            "`kalman_filter` + gradient of a local level costs 22 us at n = 10, 49 us at n = 100, 104 us at n = "
+            "1000; the Scan 178 us at n = 100.",
+            "- So the call ratio, about 4x, bounds Nile's ESS/s ratio for any sampler. PyMC's NUTS adds about 170 "
+            "us of Python per leapfrog step, hence about 1.4x there.",
+            "- Compile: with kernels cached, the inflation model's 23.7 s are PyTensor compiling the graph around "
+            "the Ops (graph functions 4.5 s, indexing, gemm, split, shape checks). iterops' entry points are 2.2 "
+            "s of it. The Scan model pays the same outer graph plus its loop.",
+        ])),
     )
     for name, spec in demo.MODELS.items():
         _, y = spec.load()

@@ -80,7 +80,7 @@ __all__ = [
 
 def load_nile():
     """Nile flow at Aswan, 1871-1970 (10^8 m^3): ``(years, y)`` with y of shape (100,)."""
-    from statsmodels.datasets import nile  # not statsmodels.api: 1.2 s of imports the demo does not use
+    from statsmodels.datasets import nile  # not statsmodels.api: imports the demo does not use
 
     df = nile.load_pandas().data
     return df["year"].to_numpy(), df["volume"].to_numpy(dtype=float)
@@ -241,8 +241,7 @@ def _state_function(spec: DemoModel, y):
     """Compiled ``f(*params) -> (filtered_state, filtered_cov, smoothed_state, smoothed_cov, d)``.
 
     Compiled with PyTensor's Python linker (``FAST_COMPILE``): it runs a few hundred times, once per
-    posterior draw, so its compile is what counts (about 1 s there against 5-12 s for the Numba
-    linker's first call); iterops' filter and smoother run their Numba kernels under every linker."""
+    posterior draw, so its compile is what counts, and the Python linker compiles fastest; iterops' filter and smoother run their Numba kernels under every linker."""
     Y = y[:, None]
     if spec.name == "nile":
         inputs = [pt.dscalar("sigma_obs"), pt.dscalar("sigma_level")]
@@ -546,8 +545,7 @@ def main(argv=None) -> int:
 def exit_now(code: int):
     """End the process after :func:`main`: run the registered exit handlers (``atexit``'s, as a normal
     exit does; iterops' stops its background compiles), flush the output, then skip the interpreter's
-    teardown, which frees the compiled models' objects one by one (1-4 s after a run; the OS frees the
-    memory at once)."""
+    teardown, which frees the compiled models' objects one by one (the OS frees the memory at once)."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

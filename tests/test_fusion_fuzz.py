@@ -608,13 +608,12 @@ _FUZZ_SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), de
 
 
 #: harnesses whose mutants cost several times the others' to rewrite and compile (pymc-extras' filter and its
-#: gradient: 40 s a mutant in a fresh checkout, 495 s for 12, a third of the fuzzer's time): a third of the
-#: examples in the default run, the full ``DEEP`` budget under ``-m slow`` like every harness
+#: gradient): a third of the examples in the default run, the full ``DEEP`` budget under ``-m slow``
 COSTLY = {"kalman_pymc_extras"}
 
 
-#: at least this share of a pattern's drawn mutants must build a loop (measured: 60-100% of the default draws;
-#: a harness or mutation that stops building, e.g. a renamed argument, would make the fuzzer test nothing)
+#: at least this share of a pattern's drawn mutants must build a loop (a harness or mutation that stops
+#: building, e.g. a renamed argument, would make the fuzzer test nothing)
 MIN_VALID_SHARE = 0.5
 
 
@@ -708,8 +707,7 @@ def test_ill_conditioned_start_value_is_fused_and_within_the_loops_rounding():
 def test_rounding_spread_is_rounding_sized_on_well_conditioned_inputs():
     """The fuzzer's tolerance only widens where the loop itself is ill-conditioned: on the well-conditioned Kalman
     inputs the loop's outputs move by less than 1e-11 relative under ulp perturbations, so the rtol 1e-6 check
-    decides and a replacement off by 1e-5 is caught; on the finding's ill-conditioned inputs they move by far
-    more (measured: 75 relative on the log-likelihood)."""
+    decides and a replacement off by 1e-5 is caught; on the ill-conditioned inputs they move by far more."""
     h = HARNESSES["kalman_textbook"]
     inputs, outputs = h.build(h.step, "init", 26)
     f = pytensor.function(inputs, outputs, mode=_SCAN_MODE)

@@ -196,7 +196,7 @@ def test_plain_grad_is_fused_and_equal(name, rng):
 
 
 # the Lyapunov, block-diagonal and Levinson patterns against the Numba-compiled Scan by default, every case
-# under -m slow (the Kalman Scan pair's cold Numba compile alone is 130 s; kalman_* run against SCAN_ORACLE)
+# under -m slow (the Kalman Scan pair's cold Numba compile takes minutes; kalman_* run against SCAN_ORACLE)
 _NUMBA_ORACLE_DEFAULT = {"fixed_point", "block_diag", "levinson_all"}
 
 

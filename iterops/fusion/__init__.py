@@ -1,100 +1,87 @@
 """Recognize iterops' loops inside user Scans and replace them with fused Ops.
 
-``import iterops`` registers the rewrite (tag ``"iterops"``) so that
-``pytensor.function`` (NUMBA, FAST_RUN/C, FAST_COMPILE) and PyMC's
-pre-gradient pass replace matched Scans; ``mode.excluding("iterops")`` keeps
-them, and so does :func:`disabled` (``with iterops.fusion.disabled(): ...``)
-where the mode cannot be chosen (PyMC's ``rewrite_pregrad``, nutpie).  A loop
-differentiated with plain ``pytensor.grad`` is replaced together with the
-gradient Scan that ``pytensor.grad`` built for it, by the fused Op and the
-fused Op's own gradient (:mod:`iterops.fusion.gradient`); :func:`fuse_loops`
-applies the replacement before ``pytensor.grad`` instead; :func:`explain` says
-what was (or was not) replaced, gradient Scans included.
+Entry points: ``import iterops`` registers the rewrite (tag ``"iterops"``) in ``pytensor.function``
+(NUMBA, FAST_RUN/C, FAST_COMPILE) and PyMC's pre-gradient pass; :func:`fuse_loops` applies it by hand;
+:func:`explain` says what was replaced and why near misses were not.  ``mode.excluding("iterops")`` or
+``with iterops.fusion.disabled(): ...`` (where the mode cannot be chosen: PyMC's ``rewrite_pregrad``,
+nutpie) keep the Scans.
 
-Patterns (see :mod:`iterops.fusion.patterns`): Smith doubling and the
-fixed-point Lyapunov iteration, plain or damped (-> the same iterations fused,
-:mod:`iterops.linalg.lyapunov_iteration`), block-diagonal assembly (->
-``block_diag``), Kalman filters (-> ``kalman_filter``) and the
-Levinson-Durbin recursion (-> :mod:`iterops.ts.levinson_recursion`).
+Patterns (:mod:`iterops.fusion.patterns`) and what replaces them:
+
+* Smith doubling, the fixed-point Lyapunov iteration, plain or damped -> the same iteration fused
+  (:mod:`iterops.linalg.lyapunov_iteration`);
+* block-diagonal assembly -> ``block_diag``; Kalman filters -> ``kalman_filter``;
+* the Levinson-Durbin recursion -> :mod:`iterops.ts.levinson_recursion`.
+
+A loop differentiated with plain ``pytensor.grad`` is replaced together with its gradient Scan, by the
+fused Op and the fused Op's gradient (:mod:`iterops.fusion.gradient`).
+
+Code map: :mod:`~iterops.fusion.canonical` (canonical user and reference graphs),
+:mod:`~iterops.fusion.unify` (unification against a pattern's reference step), :mod:`~iterops.fusion.uses`
+(how the loop's outputs are used), :mod:`~iterops.fusion.matcher` (ties them together),
+:mod:`~iterops.fusion.gradient` (gradient Scans), :mod:`~iterops.fusion.proofs` and
+:mod:`~iterops.fusion.piecewise` (conditions proved from the graph), :mod:`~iterops.fusion.registry` and
+:mod:`~iterops.fusion.rewrite` (registration); this module: :func:`fuse_loops`, :func:`explain`.
 
 The exactness contract
 ----------------------
 The rewrite runs on every graph once iterops is imported, so it promises:
 
-1. **Same values and gradients.**  For every input on which the user's loop
-   runs without error, the rewritten graph returns the loop's values and
-   gradients: to rounding for exact recursions (Kalman, Levinson,
-   block-diagonal assembly) and for the Lyapunov iterations (the replacement
-   runs the loop's own iteration, stop rule, tolerance and step guard, so a
-   stop decision taken exactly at the tolerance may move by one step), with
-   NaN and infinities where the loop has them.  Gradients equal autodiff of
-   the loop wherever the loop's gradients are finite.  "To rounding" is
-   relative to the loop's own conditioning: on an ill-conditioned input
-   (a near-singular innovation covariance, cond ~ 1e14) the loop's results
-   move by as much under perturbations of its inputs by a few units in the
-   last place, and differ between its own compilations (the same Scan
-   compiled with and without its gradient); there the replacement is held
-   to a few times that spread, elsewhere to rtol 1e-6.
-2. **Proofs, not hopes.**  A condition that an input must meet for the
-   replacement to be exact (a symmetric covariance, a loop index counting
-   from 0, a read of the last row only) is proved from the graph
-   (:mod:`iterops.fusion.proofs`, :mod:`iterops.fusion.piecewise`, the
-   patterns' ``check``); without a proof the Scan is kept, and
-   :func:`explain` names the declaration that would let it fuse.  Replacements
-   that are exact only on part of the input space are not used: PyTensor's
-   Numba ``ifelse`` evaluates both branches, so a run-time fallback to the
-   Scan would cost the Scan anyway.  Matrix facts come from
-   ``pytensor.assumptions``:
+1. **Same values and gradients.**  On every input where the user's loop runs without error, the
+   rewritten graph returns the loop's values and gradients, with NaN and infinities where the loop
+   has them.
 
-   * declared facts (``assume(P0, symmetric=True, positive_definite=True)``)
-     are the user's word and are trusted, as PyTensor's own rewrites trust them;
-   * PyTensor's inferred ``symmetric`` is accepted.  Some of its rules hold to
-     rounding only (``inv(S)``, ``S @ S``, Lyapunov solutions ``A X A^T - X + Q
-     = 0`` with a symmetric ``Q``, which are symmetric wherever the solution is
-     unique); the fused filter reads the symmetric part, the loop the raw
-     entries, so results differ by the rounding of that asymmetry times the
-     loop's conditioning, as in item 1.  Where the Lyapunov solution is not
-     unique the loop's start covariance is rounding noise (its conditioning is
-     infinite) and is not held to a tolerance;
-   * PyTensor's inferred ``positive_definite`` is not used: it counts ``L L^T``
-     as definite and every Lyapunov solution of a definite ``Q`` as definite,
-     stable ``A`` or not.  Positive semi-definiteness is iterops' own key
-     (``positive_semidefinite``, rules in :mod:`iterops.fusion.proofs`); a
-     declared ``positive_definite`` counts;
-   * facts are inferred on the graph of the matrix alone: a promise read off a
-     use (``solve(S, b, assume_a="pos")``) counts only inside that matrix's
-     construction.
-3. **Raise where the loop raises.**  A negative ``n_steps`` and a read of the
-   last row of a loop that ran 0 steps raise ``IndexError`` in the rewritten
-   graph too (``CheckAndRaise``); a pattern whose loop would raise on some
-   input checks that input the same way (e.g. Levinson on autocovariances
-   shorter than ``order + 1``).  The message may differ from the loop's.
-   Where the loop's result depends on the linker -- it raises under one and
-   returns a value under another, as ``inv`` of a singular or non-finite
-   innovation covariance does (``LinAlgError`` under FAST_COMPILE, NaN under
-   NUMBA; with ``p = 1`` and an infinite ``F``, -inf under FAST_COMPILE and a
-   raise under NUMBA) -- the replacement returns NaN.
-4. **Never a different computation.**  The matcher looks through spelling
-   only (operand order of commutative operations, association of products
-   and sums, ``@`` / ``dot``, transposes, widening casts of inputs); a
-   narrowing cast, a truncated gradient (``truncate_gradient``), a different
-   constant or stop rule, an intermediate state read outside the loop, or a
-   loop carrying non-tensor state (random generators) keeps the Scan.
-5. **Gradient Scans are identified, not guessed.**  A gradient Scan is
-   replaced with its forward loop only when rebuilding ``Scan.pullback`` of
-   the forward Scan, with the cotangents read off the gradient Scan's
-   inputs, gives the same Scan (equal inner graph and outer inputs), when all
-   its results are used as the loop's gradients (a second derivative keeps
-   both Scans), and, for loops replaced through their final state, when the
-   cotangents are provably zero outside the last row.
+   * Exact recursions (Kalman, Levinson, block-diagonal assembly): to rounding.
+   * Lyapunov iterations: the loop's own iteration, stop rule, tolerance and step guard; a stop
+     decision taken exactly at the tolerance may move by one step.
+   * Gradients equal autodiff of the loop wherever the loop's gradients are finite.
+   * "To rounding" is relative to the loop's conditioning: rtol 1e-6, or a few times the loop's own
+     spread on ill-conditioned input (e.g. an innovation covariance with cond ~ 1e14, where the loop
+     moves under perturbations of a few ulps and between its own compilations).
+2. **Proofs, not hopes.**  A condition the replacement needs (a symmetric covariance, a loop index
+   counting from 0, a read of the last row only) is proved from the graph
+   (:mod:`iterops.fusion.proofs`, :mod:`iterops.fusion.piecewise`, the patterns' ``check``).
 
-``tests/test_fusion_fuzz.py`` keeps the contract: it generates mutants of
-every pattern's loop (changed operands, transposes, constants, casts, stop
-rules, ``truncate_gradient``, ``go_backwards``, ``n_steps``, start values)
-and checks each is either kept or equal to its loop on random and
-adversarial inputs, to rtol 1e-6 widened by the loop's measured rounding
-spread (``_rounding_spread``); ``tests/test_fusion_contract.py`` holds the regression
-cases.
+   * Without a proof the Scan is kept; :func:`explain` names the declaration that would let it fuse.
+   * No replacement exact on only part of the input space: PyTensor's Numba ``ifelse`` evaluates both
+     branches, so a run-time fallback would cost the Scan anyway.
+   * Matrix facts come from ``pytensor.assumptions``.  Declared facts
+     (``assume(P0, symmetric=True, positive_definite=True)``) are trusted, as PyTensor's rewrites trust them.
+   * PyTensor's inferred ``symmetric`` is accepted.  Some of its rules hold to rounding only (``inv(S)``,
+     ``S @ S``, Lyapunov solutions with a symmetric ``Q``); the fused filter reads the symmetric part,
+     the loop the raw entries, so results differ by that asymmetry times the loop's conditioning (item 1).
+     Where the Lyapunov solution is not unique, the loop's start covariance is rounding noise and is not
+     held to a tolerance.
+   * PyTensor's inferred ``positive_definite`` is not used: it counts ``L L^T`` as definite, and every
+     Lyapunov solution of a definite ``Q``, stable ``A`` or not.  Positive semi-definiteness is iterops'
+     own key (``positive_semidefinite``, rules in :mod:`iterops.fusion.proofs`); a declared
+     ``positive_definite`` counts.
+   * Facts are inferred on the matrix's own graph: a promise read off a use
+     (``solve(S, b, assume_a="pos")``) counts only inside that matrix's construction.
+3. **Raise where the loop raises.**
+
+   * A negative ``n_steps``, or a read of the last row of a loop that ran 0 steps, raises
+     ``IndexError`` in the rewritten graph too (``CheckAndRaise``).
+   * A pattern whose loop would raise on some input checks that input the same way (e.g. Levinson on
+     autocovariances shorter than ``order + 1``).  The message may differ.
+   * Where the loop's behaviour depends on the linker, the replacement returns NaN.  Example: ``inv`` of
+     a singular or non-finite innovation covariance is ``LinAlgError`` under FAST_COMPILE, NaN under
+     NUMBA (with ``p = 1`` and an infinite ``F``: -inf under FAST_COMPILE, a raise under NUMBA).
+4. **Never a different computation.**  The matcher looks through spelling only: operand order of
+   commutative operations, association of products and sums, ``@`` / ``dot``, transposes, widening
+   casts of inputs.  A narrowing cast, ``truncate_gradient``, a different constant or stop rule, an
+   intermediate state read outside the loop, or non-tensor state (random generators) keeps the Scan.
+5. **Gradient Scans are identified, not guessed.**  A gradient Scan is replaced only when
+
+   * rebuilding ``Scan.pullback`` of the forward Scan, with the cotangents read off the gradient Scan's
+     inputs, gives the same Scan (equal inner graph and outer inputs);
+   * all its results are used as the loop's gradients (a second derivative keeps both Scans);
+   * for loops replaced through their final state, the cotangents are provably zero outside the last row.
+
+Tests: ``tests/test_fusion_fuzz.py`` mutates every pattern's loop (operands, transposes, constants,
+casts, stop rules, ``truncate_gradient``, ``go_backwards``, ``n_steps``, start values) and checks that each
+mutant is kept or equals its loop on random and adversarial inputs (rtol 1e-6 widened by the loop's
+rounding spread, ``_rounding_spread``).  ``tests/test_fusion_contract.py`` holds the regression cases.
 """
 
 from __future__ import annotations

@@ -43,9 +43,8 @@ def constant_int(var):
 def mm(A, B):
     """``A @ B`` for 1-d or 2-d operands.  A small product (at most :data:`MM_ELEMENTWISE_MAX`
     multiplications) is a broadcast product and a sum, which XLA fuses with the element operations
-    around it; a ``dot`` is a separate library call of ~0.5 us on CPU, which in a ``lax.scan`` over time
-    steps costs more than a small matrix's arithmetic (m = 4: 15x per product; m = 12: 3-5x; m = 16: the
-    dot wins 4x, hence the bound)."""
+    around it; a ``dot`` is a separate library call, which in a ``lax.scan`` costs more than a small
+    matrix's arithmetic (the bound: ``benchmarks/RESULTS.md``, JAX section)."""
     rows = A.shape[0] if A.ndim == 2 else 1
     cols = B.shape[1] if B.ndim == 2 else 1
     if rows * A.shape[-1] * cols > MM_ELEMENTWISE_MAX:

@@ -1,8 +1,8 @@
 r"""JAX implementations of the Kalman Ops: :class:`~iterops.ts.kalman.KalmanFilter`, its gradient Op
 :class:`~iterops.ts.kalman.KalmanFilterGrad`, and :class:`~iterops.ts.kalman_smoother.KalmanSmoother`.
 
-Same model, notation and arithmetic as :mod:`iterops.ts.kalman` (Durbin & Koopman; statsmodels' layout),
-one ``lax.scan`` over the time steps; per step ``t`` (``o`` the observed components, ``j`` the jitter)::
+Same model, notation, shapes and arithmetic as :mod:`iterops.ts.kalman` (Durbin & Koopman; statsmodels'
+layout), one ``lax.scan`` over the time steps; per step ``t`` (``o`` the observed components, ``j`` the jitter)::
 
     v   = y_t - d_t - Z_t a                     (NaN where missing)
     S   = sym(P);  F = Z S Z^T + sym(H) + j I   (all p rows)
@@ -11,36 +11,41 @@ one ``lax.scan`` over the time steps; per step ``t`` (``o`` the observed compone
     a_f = a + K v_o;   P_f = S - K M^T - j K K^T + j I
     a'  = T a_f + c;   P' = T P_f T^T + R sym(Q) R^T
 
-The observed subset has a data-dependent size, which JAX cannot index with static shapes, so missing
-components are masked instead of dropped: ``F_oo`` is ``F`` with the missing rows and columns replaced by
-those of the identity (its Cholesky factor is then ``chol(F_oo)`` on the observed block and the identity
-elsewhere, with the same determinant), ``v_o`` and the missing rows of ``Z_o`` are zero.  That is exactly
-"drop the missing components" (pymc-extras' masking), so the values are those of the Numba kernel to
-rounding.  Symmetric matrices are computed on the upper triangle and mirrored, as the kernels do.  For up
-to 8 observables the Cholesky factor of ``F_oo`` and its solves are unrolled element operations, and small
-matrix products are broadcast products (:func:`iterops.jax._common.mm`): on CPU a LAPACK call or a ``dot``
-inside a ``lax.scan`` costs more than a small matrix's arithmetic, while element operations fuse.  The
-steady-state shortcut of the Numba kernel (freezing ``P`` once converged to ``1e-14``) is not taken: the full
-recursion runs, which changes results only at that relative level (why: ``benchmarks/RESULTS.md``, JAX section).
+Failure value, as in the kernel: if ``F_oo`` is not positive definite (or not finite) at step ``t``,
+``loglik = -inf``, ``loglik_obs[t] = -inf``, later ``loglik_obs`` and every filtered/predicted quantity
+from step ``t`` on are NaN (``forecast_error[t]``, ``forecast_error_cov[t]`` keep their values); the
+gradient is NaN.
+
+Code map: :func:`_update` (one step's update, with :func:`_chol`, :func:`_cho_solve`), :func:`_filter_scan`
+(the forward scan), :func:`kalman_filter` and its ``jax.custom_vjp`` (:func:`_filter_fwd`,
+:func:`_filter_bwd`), :func:`_adjoint` (the reverse scan), :func:`kalman_smoother`, :func:`register`
+(PyTensor's JAX dispatch of the Ops).
 
 Options (the Op's props): ``time_varying`` (7 flags for c, d, T, Z, R, H, Q: a time-varying matrix is a
 scan input, a static one has a time axis of length 1), ``cov_jitter``, ``missing_value`` (NaN is always
 missing).
 
-Failure is a value, as in the kernel: if ``F_oo`` is not positive definite (or not finite) at step ``t``,
-``loglik = -inf``, ``loglik_obs[t] = -inf``, later ``loglik_obs`` and every filtered/predicted quantity
-from step ``t`` on are NaN (``forecast_error[t]``, ``forecast_error_cov[t]`` keep their values); the
-gradient is NaN.
+Differences from the Numba kernel:
 
-Gradient (``KalmanFilterGrad`` and ``jax.grad``, one ``jax.custom_vjp``): the hand-written reverse-mode
-adjoint of :mod:`iterops.ts._kalman_adjoint`, for the cotangents of all eight outputs, as a reverse
-``lax.scan`` (:func:`_adjoint`) over the forward scan's outputs and its per-step gains; each reverse step
-undoes a forward step's stages in the opposite order.  Not JAX autodiff of the forward scan: that stores
-every intermediate of every step and was twice as slow (see ``benchmarks/bench_jax.py``).  Without the
-Numba adjoint's steady-state stretch shortcut.  A disconnected cotangent (a JAX symbolic zero, or a
-zero-size placeholder from PyTensor's gradient Op) counts as zero and costs nothing; ``y`` gets a zero
-cotangent where missing.  The Op's ``predicted_state``/``predicted_cov`` inputs are not needed (the
-forward scan is run again, as the Numba adjoint recomputes each step's update).
+* Missing components are masked, not dropped (JAX needs static shapes): ``F_oo`` is ``F`` with the missing
+  rows and columns replaced by the identity's, ``v_o`` and the missing rows of ``Z_o`` are zero.  This is
+  "drop the missing components" (pymc-extras' masking): the kernel's values to rounding.
+* Up to 8 observables, ``chol(F_oo)`` and its solves are unrolled element operations, and small products
+  are broadcast products (:func:`iterops.jax._common.mm`): inside a ``lax.scan`` on CPU a LAPACK call or
+  a ``dot`` costs more than a small matrix's arithmetic.
+* No steady-state shortcut: the full recursion runs, which changes results only at the kernel's
+  freezing tolerance, ``1e-14`` relative (why: ``benchmarks/RESULTS.md``, JAX section).
+* Symmetric matrices are computed on the upper triangle and mirrored, as in the kernels.
+
+Gradient (``KalmanFilterGrad`` and ``jax.grad``, one ``jax.custom_vjp``): the hand-written adjoint of
+:mod:`iterops.ts._kalman_adjoint`, as a reverse ``lax.scan`` (:func:`_adjoint`).
+
+* Cotangents of all eight outputs; each reverse step undoes a forward step's stages in the opposite order.
+* Not JAX autodiff of the forward scan, which stores every intermediate of every step and is slower
+  (``benchmarks/bench_jax.py``).  No steady-stretch shortcut.
+* A disconnected cotangent (a JAX symbolic zero, or a zero-size placeholder from PyTensor's gradient Op)
+  counts as zero and costs nothing; ``y`` gets a zero cotangent where missing.
+* The Op's ``predicted_state``/``predicted_cov`` inputs are not read: the forward scan runs again.
 
 The smoother is the Durbin-Koopman backward recursion of :mod:`iterops.ts.kalman_smoother` over the
 filter's predictions (a reverse ``lax.scan``); all NaN where the filter fails.

@@ -1,58 +1,58 @@
 r"""Lyapunov loops as the user runs them: one fused Numba kernel, the exact adjoint of the recursion.
 
-:func:`iterops.solve_discrete_lyapunov` returns the *solution* of
-``A X A^T - X + Q = 0``.  A loop that iterates towards it returns something
-else whenever it stops early (the user's tolerance, a max-iteration guard) or
-the solution is not what it converges to (a unit root that ``Q`` does not
-excite, a rotation, an unstable ``A``).  The two Ops here run **the loop
-itself**, so they return the loop's values and gradients (to rounding) for
-every input on which the loop runs:
-
 ``smith_doubling_loop`` (Smith's doubling), with ``alpha_0 = A``, ``gamma_0 = Q``:
 
 .. math::  \alpha_{k+1} = \alpha_k \alpha_k,\qquad
            \gamma_{k+1} = \gamma_k + (\alpha_k \gamma_k) \alpha_k^T
 
-``lyapunov_fixed_point_loop``, from ``X_0``:
+``lyapunov_fixed_point_loop``, from ``X_0``, plain or damped by a scalar ``w``
+(``damping="convex"`` / ``"increment"``: equal in exact arithmetic, each rounded as written;
+``Y_k = (A X_k) A^T + Q``):
 
-.. math::  X_{k+1} = (A X_k) A^T + Q
+.. math::  X_{k+1} = (A X_k) A^T + Q,\qquad X_{k+1} = (1 - w) X_k + w Y_k,\qquad X_{k+1} = X_k + w (Y_k - X_k)
 
-or, damped by a scalar ``w`` (``damping="convex"`` / ``"increment"``: the same
-in exact arithmetic, each rounded as written), with ``Y_k = (A X_k) A^T + Q``:
+Shapes: ``A``, ``Q``, ``X0``, ``alpha``, ``gamma``, ``X`` (..., m, m); ``tol``, ``w`` scalars; ``n_steps`` an
+integer scalar.  Failure is a value: the kernels never raise and never loop beyond ``n_steps``; overflow
+(an unstable ``A``) gives inf/NaN that propagate as in the loop.
 
-.. math::  X_{k+1} = (1 - w) X_k + w Y_k \qquad\text{or}\qquad X_{k+1} = X_k + w (Y_k - X_k)
+Code map: the step kernels and their reverses (``_doubling_step``, ``_fixed_point_step``, ``*_vjp``), the
+runs (``smith_doubling_kernel``, ``lyapunov_fixed_point_kernel`` and their ``*_adjoint_kernel``), the C-ABI
+entry points (``_doubling_entry``, ``_fixed_point_entry``), the Ops (:class:`SmithDoublingLoop`,
+:class:`LyapunovFixedPointLoop`, their ``Grad`` and ``Trace`` Ops), :func:`share_fixed_point_trace`, then the
+public functions :func:`smith_doubling_loop` and :func:`lyapunov_fixed_point_loop`.
 
-(one kernel: the damping is a run-time code, the undamped step's arithmetic is
-untouched by it; ``w = 1`` is *not* the undamped loop when ``X_k`` holds
-inf/NaN, since ``0 * inf`` is NaN, so the damped kernel never shortcuts it).
+Why not :func:`iterops.solve_discrete_lyapunov`: it returns the *solution* of ``A X A^T - X + Q = 0``.
+A loop returns something else when it stops early (a tolerance, an iteration guard) or does not converge to
+the solution (a unit root ``Q`` does not excite, a rotation, an unstable ``A``).  These Ops run **the loop
+itself**: its values and gradients, to rounding, on every input where the loop runs.
 
-Each runs ``k = 0 .. n_steps - 1`` and stops after the first step whose change
-``d = new - old`` (of ``gamma`` or ``X``) satisfies the stop rule (that step's
-values are kept): ``"max_lt"`` ``max|d| < tol``, ``"max_le"`` ``max|d| <= tol``,
-``"fro_lt"`` ``sqrt(sum d^2) < tol`` (summed in the loop dtype, like
-``pt.linalg.norm``), ``None`` no stop (exactly ``n_steps`` steps).  The change
-is compared with ``tol`` in float64 (as PyTensor's upcast comparison does);
-a NaN change or a NaN ``tol`` never stops the loop (NaN compares false).
-``n_steps <= 0`` runs no step and returns the initial values.
+Stop rule: each runs ``k = 0 .. n_steps - 1`` and stops after the first step whose change
+``d = new - old`` (of ``gamma`` or ``X``) satisfies it; that step's values are kept.
 
-Arithmetic follows the user's loop: the same association of products, in the
-loop's dtype (float32 stays float32; for the doubling loop ``alpha`` keeps
-``A``'s dtype and ``gamma`` the upcast of ``A`` and ``Q``), products by BLAS
-gemm as ``pt.dot`` computes them (plain loops below 5x5, where a gemm call
-costs more than the product, see ``_mm``): the loop's values to rounding.
+* ``"max_lt"``: ``max|d| < tol``; ``"max_le"``: ``max|d| <= tol``;
+* ``"fro_lt"``: ``sqrt(sum d^2) < tol``, summed in the loop dtype like ``pt.linalg.norm``;
+* ``None``: exactly ``n_steps`` steps.
+* The change is compared with ``tol`` in float64 (PyTensor's upcast comparison); a NaN change or
+  ``tol`` never stops the loop.  ``n_steps <= 0`` returns the initial values.
 
-Failure is a value: the kernels never raise and never loop beyond ``n_steps``;
-overflow (an unstable ``A``) gives inf/NaN that propagate as in the loop.
+Arithmetic follows the user's loop:
 
-Gradients: the reverse-mode adjoint of the recursion *as run* -- what
-PyTensor's autodiff of the Scan computes: the number of steps taken is a
-constant and the stop rule is not differentiated.  The adjoint kernel runs the
-loop again keeping every iterate and each step's first product (``A X_k``,
-``alpha_k gamma_k``; memory ``O(steps run * m^2)``, as the Scan's gradient),
-then goes back from the last step.  Where a graph computes the fixed-point
-loop's value and its gradient (``pytensor.grad`` of a cost of ``X``), the
-Numba backend runs the loop once instead (:func:`share_fixed_point_trace`):
-the forward run keeps that trace as an output and the reverse pass reads it.
+* the same association of products, in the loop's dtype (float32 stays float32; the doubling loop's
+  ``alpha`` keeps ``A``'s dtype, ``gamma`` the upcast of ``A`` and ``Q``);
+* products by BLAS gemm as ``pt.dot`` computes them, plain loops below 5x5 (see ``_mm``);
+* the damping is a run-time code and leaves the undamped step's arithmetic untouched; ``w = 1`` is *not*
+  the undamped loop when ``X_k`` holds inf/NaN (``0 * inf`` is NaN), so it is never shortcut.
+
+Gradients: the reverse-mode adjoint of the recursion *as run*, what PyTensor's autodiff of the Scan
+computes (the number of steps is a constant, the stop rule is not differentiated).
+
+* The adjoint kernel runs the loop again keeping every iterate and each step's first product
+  (``A X_k``, ``alpha_k gamma_k``; memory ``O(steps run * m^2)``, as the Scan's gradient), then goes back.
+* Where a graph has the fixed-point loop's value and its gradient, the Numba backend runs the loop once
+  (:func:`share_fixed_point_trace`): the forward keeps the trace as an output, the reverse reads it.
+* First-order reverse mode only: the gradient Ops raise ``NotImplementedError`` when differentiated.
+  ``tol`` gets a zero gradient, ``n_steps`` none (disconnected).
+
 With cotangents ``Ga``, ``Gg`` of ``alpha_{k+1}``, ``gamma_{k+1}`` (matrix calculus, e.g. Giles 2008,
 "Collected matrix derivative results for forward and reverse mode AD"):
 
@@ -74,10 +74,7 @@ and for the damped loop, with ``Ybar = w Xbar_{k+1}`` and ``Y_k`` from the kept 
     \bar X_k = A^T \bar Y A + (1 - w) \bar X_{k+1},\qquad
     \bar w = \sum_{k\ge 0} \langle \bar X_{k+1}, Y_k - X_k\rangle ,
 
-``Q_bar`` and ``A_bar`` as above with ``Ybar`` for ``X_bar_{k+1}``;
-``tol`` gets a zero gradient, ``n_steps`` none (disconnected).  First-order
-reverse mode only: forward mode and second derivatives are not implemented
-(the gradient Ops raise ``NotImplementedError`` when differentiated).
+``Q_bar`` and ``A_bar`` as above with ``Ybar`` for ``X_bar_{k+1}``.
 """
 
 from __future__ import annotations
@@ -134,11 +131,11 @@ def _mm(X, Y, out, tX=False, tY=False):
     gemm in the loop's dtype (float32 stays float32).  So do these kernels from
     :data:`_BLAS_MIN` on, for operands of one dtype: ``np.dot`` on C-contiguous arrays and their
     transposes (Numba hands them to gemm as transpose flags, no copy), the user's loop's own
-    summation.  Below that size a call to gemm costs more than the product (about 0.1 us against
-    0.02-0.06 us at m <= 4), and for operands of mixed dtypes (the doubling loop with a float32
-    ``A`` and a float64 ``Q``) there is no gemm: there plain loops sum in ``out``'s dtype (the
-    entries upcast exactly, as PyTensor's ``Dot`` upcasts its operands), the loop's product to
-    rounding (BLAS itself sums small products in a size-dependent order).
+    summation.  Plain loops, summing in ``out``'s dtype, take the rest: below that size (a gemm
+    call costs more than the product) and for operands of mixed dtypes (the doubling loop with a
+    float32 ``A`` and a float64 ``Q``: no gemm; the entries upcast exactly, as PyTensor's ``Dot``
+    upcasts them).  Both give the loop's product to rounding (BLAS itself sums small products in a
+    size-dependent order).
 
     Not the shared :func:`iterops._linalg_kernels.matmul`: it accumulates in float64 (a float32
     loop would be summed more precisely than the Scan sums it).

@@ -251,9 +251,8 @@ def dare_kernel(A, B, Q, R, tol, max_iter):
 def _dare_abi(A, B, Q, R, X, n, m, tol, max_iter):
     """C-ABI barrier around :func:`dare_kernel` (see :class:`iterops._fused.OpaqueKernel`): writes X,
     returns 1 if solved.  Called directly, the kernel (LU solves, an eigenvalue check) would be
-    compiled into every new graph again: about 9 CPU-s per graph instead of about 1.  The kernel is
-    ``inline="always"``, so it is compiled once, here (compiled on its own, it would be optimized and
-    compiled to machine code a second time inside this function: 23.5 -> 19.0 CPU s cold)."""
+    compiled into every new graph again.  The kernel is ``inline="always"``, so it is compiled once,
+    here, not a second time on its own."""
     Xs, ok = dare_kernel(
         numba.carray(A, (n, n)), numba.carray(B, (n, m)), numba.carray(Q, (n, n)), numba.carray(R, (m, m)),
         tol, max_iter,

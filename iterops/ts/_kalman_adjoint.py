@@ -360,8 +360,7 @@ def _steady_reverse_steps(t, s0, window, y, system, ap, cot, grad, abar, Pbar, c
     the window (all when ``window = 0``) the covariance recursion (:func:`_steady_cov_step`).
 
     One function on purpose: the arrays are unpacked before the loop, so that a step binds none (a
-    per-step helper taking the NamedTuples increfs/decrefs their ~40 arrays on every call, which
-    made this loop 3x slower for a local-level model)."""
+    per-step helper taking the NamedTuples would incref/decref their ~40 arrays on every call)."""
     p = y.shape[1]
     m = ap.shape[1]
     exact = window == 0

@@ -2,11 +2,9 @@
 steady-state shortcut (statsmodels'): once the covariance recursion has converged, only the
 mean recursion runs.
 
-Compile time: :func:`filter_into` and the stages it calls are ``inline="always"`` (Numba inlines
-their code into the C-ABI kernel that calls them), so the kernel is optimized and compiled to
-machine code once; a stage compiled on its own would have its code, and that of everything it
-calls, linked and re-optimized by every caller again (measured with ``benchmarks/bench_compile.py``).
-Only small leaf helpers (:mod:`iterops._linalg_kernels`) are compiled on their own."""
+Compile time: :func:`filter_into` and its stages are ``inline="always"``, compiled once into the C-ABI
+kernel; a stage compiled on its own would be re-linked and re-optimized by every caller.  Only small leaf
+helpers (:mod:`iterops._linalg_kernels`) are compiled on their own."""
 
 from __future__ import annotations
 

@@ -18,32 +18,39 @@ and in reverse (given the cotangents ``a'_bar, P'_bar`` of the next prediction):
                     v_o_bar, F_oo_bar and the output cotangent of F)
     observe_vjp  -> a_bar, y_bar, d_bar, Z_bar  (from v_o_bar, Z_o_bar)
 
-Structured systems: :class:`Structure` holds row-wise indexes of the nonzero entries of T, T^T
-and Z (:func:`find_structure`, once per call for static matrices, every step for time-varying
-ones); where T (Z) is finite and at most half nonzero, the products with it in ``predict``
-(``update_cov``) and their reverses skip its zeros (:func:`~iterops._linalg_kernels.spmm`):
-O(m nnz) instead of O(m^3) for the shift, companion and identity blocks of structural, SARIMAX
-and VAR models.  The terms skipped are exact zeros, so the results are the dense products' to
-rounding.  Non-finite values: the dense product makes ``0 * inf = NaN``, a skipped zero would not,
-so a step whose other operand (P_f, sym(P), G) or whose sparse intermediate product has a
-non-finite entry takes the dense product: NaN and -inf propagate exactly as in the dense filter.
-The cotangent of T stays dense (an entry that is 0 at this draw may be a parameter).
+Structured systems (:class:`Structure`, :func:`find_structure`):
 
-One observable (p = 1, the structural and SARIMAX models): :func:`update_one` is the update as a
-rank-one correction (no Cholesky, no copy, on P_t itself: every prediction after P0 is exactly
-symmetric), and :func:`update_vjp_one` its reverse with the loops merged (four passes over m x m
-instead of ten).  Whether P_t and P_f are finite (for the zero-skipping products) is carried from
-the pass that wrote them, and the steady-state test runs in the pass that writes P'.
+* row-wise indexes of the nonzero entries of T, T^T and Z, found once per call for static matrices,
+  every step for time-varying ones;
+* where T (Z) is finite and at most half nonzero, the products with it in ``predict`` (``update_cov``)
+  and their reverses skip its zeros (:func:`~iterops._linalg_kernels.spmm`): O(m nnz) instead of O(m^3)
+  for the shift, companion and identity blocks of structural, SARIMAX and VAR models;
+* the skipped terms are exact zeros, so results are the dense products' to rounding;
+* non-finite values: a dense product makes ``0 * inf = NaN``, a skipped zero would not.  So a step whose
+  other operand (P_f, sym(P), G) or sparse intermediate product has a non-finite entry takes the dense
+  product: NaN and -inf propagate exactly as in the dense filter;
+* the cotangent of T stays dense (an entry that is 0 at this draw may be a parameter).
 
-Arrays are grouped by role in NamedTuples: :class:`System` (the system matrices), :class:`Options`
-(jitter and missing-value convention), :class:`UpdateWork` (what the update computes and its
-reverse reuses), :class:`ReverseWork`.  A stage takes a work NamedTuple when it uses most of it
-(the update and its reverse), otherwise the arrays it uses.  Work arrays are
-:func:`~iterops._linalg_kernels.borrowed`, so that passing them to a per-step function costs no
-reference counting.  Every symmetric matrix is computed on one triangle and mirrored.
+One observable (p = 1, the structural and SARIMAX models):
 
-Every stage is ``inline="always"``: it is compiled as part of the kernel that calls it, once (see
-:mod:`iterops.ts._kalman_filter` on compile time).
+* :func:`update_one` is the update as a rank-one correction, on P_t itself: no Cholesky, no copy (every
+  prediction after P0 is exactly symmetric);
+* :func:`update_vjp_one` is its reverse with the loops merged (four passes over m x m instead of ten);
+* whether P_t and P_f are finite (for the zero-skipping products) is carried from the pass that wrote
+  them; the steady-state test runs in the pass that writes P'.
+
+Arrays are grouped by role in NamedTuples:
+
+* :class:`System` (the system matrices), :class:`Options` (jitter and missing-value convention),
+  :class:`UpdateWork` (what the update computes and its reverse reuses), :class:`ReverseWork`;
+* a stage takes a work NamedTuple when it uses most of it (the update and its reverse), otherwise the
+  arrays it uses;
+* work arrays are :func:`~iterops._linalg_kernels.borrowed`, so passing them to a per-step function costs
+  no reference counting.
+
+Every symmetric matrix is computed on one triangle and mirrored.
+Every stage is ``inline="always"``: compiled once, as part of the kernel that calls it
+(:mod:`iterops.ts._kalman_filter`).
 """
 
 from __future__ import annotations

@@ -1,31 +1,30 @@
 r"""Kalman filter: one fused Numba kernel forward, one fused Numba adjoint backward.
 
+Model (Durbin & Koopman 2012, the notation of statsmodels and pymc-extras), ``m`` states, ``p``
+observables, ``r`` state shocks, ``n`` time steps::
+
+    y_t       = d_t + Z_t alpha_t + eps_t,      eps_t ~ N(0, H_t)
+    alpha_t+1 = c_t + T_t alpha_t + R_t eta_t,  eta_t ~ N(0, Q_t)
+    alpha_1   ~ N(a0, P0)
+
 Shapes: ``y`` (n, p), ``a0`` (m,), ``P0`` (m, m), ``c`` (m,), ``d`` (p,), ``T`` (m, m), ``Z`` (p, m),
-``R`` (m, r), ``H`` (p, p), ``Q`` (r, r) (a time-varying one: an extra axis of length n first).
-Failure value: ``loglik = -inf`` from the first step whose ``F[o, o]`` is not positive definite, NaN after.
+``R`` (m, r), ``H`` (p, p), ``Q`` (r, r); a matrix named in ``time_varying`` has an extra axis of length n first.
+Failure value: ``loglik = -inf`` from the first step whose ``F[o, o]`` is not positive definite (or not
+finite), NaN after; the gradient is NaN.  Only a shape mismatch raises (``ValueError``).
 
 Code map, in reading order:
 
 * ``iterops/_linalg_kernels.py``: small dense-matrix helpers of every kernel;
 * ``iterops/ts/_kalman_steps.py``: the stages of one step, each followed by its reverse; ``System``, ``Options``;
 * ``iterops/ts/_kalman_filter.py``, ``_kalman_adjoint.py``, ``_kalman_diffuse.py``: the forward loop, the
-  reverse loop, the exact diffuse steps;
+  reverse loop, the exact diffuse steps; ``_kalman_second.py``: second derivatives;
 * this module: the C-ABI kernels (arguments declared once as :class:`iterops._abi.Abi`, e.g. :data:`FILTER_ABI`),
   the run-time shape checks (:func:`check_inputs`), the entry points, the Ops, :func:`kalman_filter`,
   :func:`stationary_cov`;
 * ``iterops/ts/kalman_smoother.py``: :func:`iterops.ts.kalman_smoother`.
 
-Model (Durbin & Koopman 2012 notation, as statsmodels and pymc-extras use it)::
-
-    y_t       = d_t + Z_t alpha_t + eps_t,      eps_t ~ N(0, H_t)
-    alpha_t+1 = c_t + T_t alpha_t + R_t eta_t,  eta_t ~ N(0, Q_t)
-    alpha_1   ~ N(a0, P0)
-
-with ``m`` states, ``p`` observables, ``r`` state shocks and ``n`` time steps.
-
-One step of the filter (``a, P`` = prediction of alpha_t given y_1..y_{t-1};
-``o`` = the observed components of ``y_t``, ``k = |o|``; ``sym(X) = (X + X^T)/2``;
-``j`` = ``cov_jitter``)::
+One step (``a, P`` = prediction of alpha_t given y_1..y_{t-1}; ``o`` = the observed components of
+``y_t``, ``k = |o|``; ``sym(X) = (X + X^T)/2``; ``j`` = ``cov_jitter``)::
 
     v   = y_t - d_t - Z_t a                         forecast error (NaN where missing)
     S   = sym(P)                                    (P enters only through S)
@@ -38,111 +37,72 @@ One step of the filter (``a, P`` = prediction of alpha_t given y_1..y_{t-1};
     a'  = T_t a_f + c_t
     P'  = T_t P_f T_t^T + R_t sym(Q_t) R_t^T
 
-Every symmetric matrix is computed on one triangle and mirrored, so the
-covariances are exactly symmetric.  For this (optimal) gain ``P_f`` is the Joseph
-form ``(I - K Z_o) S (I - K Z_o)^T + K H_oo K^T + j I`` (expand it with
-``K F_oo = M``), which is what pymc-extras evaluates; the expanded form costs
-O(m^2 k) instead of O(m^3) and is what statsmodels' conventional filter uses.
-Because ``P0`` enters through ``sym(P0)``, the gradient with respect to ``P0``
-is symmetric (plus the cotangent of ``predicted_cov[0]``, which is ``P0``
-itself).
+* Symmetric matrices are computed on one triangle and mirrored: covariances are exactly symmetric.
+* ``P_f`` is the Joseph form ``(I - K Z_o) S (I - K Z_o)^T + K H_oo K^T + j I`` for this gain
+  (pymc-extras' update), in O(m^2 k) instead of O(m^3) (statsmodels' conventional update).
+* ``P0`` enters through ``sym(P0)``, so its gradient is symmetric (plus the cotangent of
+  ``predicted_cov[0]``, which is ``P0``).
+* A fully missing row gives ``ll = 0``, ``a_f = a``, ``P_f = sym(P) + j I``.
+* Failure: at the failing step ``t``, ``loglik_obs[t] = -inf``; later ``loglik_obs`` and every
+  filtered or predicted quantity from ``t`` on are NaN.
+* Time-varying matrices are declared, never guessed: ``time_varying=("T", "Z")`` means ``T`` is
+  (..., n, m, m) and ``Z`` (..., n, p, m), row ``t`` used at step ``t`` (``c_t, T_t, R_t, Q_t`` move
+  alpha_t to alpha_{t+1}).
 
-A fully missing row gives ``ll = 0``, ``a_f = a``, ``P_f = sym(P) + j I``.  With
-``cov_jitter=0`` (the default) this is statsmodels' conventional filter with
-known initialization (``initialize_known(a0, P0)``): every output agrees with
-``statsmodels.tsa.statespace.kalman_filter.KalmanFilter`` to rounding, including
-missing data (NaN ``forecast_error`` on missing components, full-size
-``forecast_error_cov``).
+Oracles:
 
-Reproducing pymc-extras' ``StandardFilter`` (pymc_extras/statespace/filters/kalman_filter.py)
------------------------------------------------------------------------------------------------
-``kalman_filter(..., cov_jitter=1e-8, missing_value=-9999.0)`` performs the
-arithmetic of ``StandardFilter(cov_jitter=1e-8, missing_fill_value=-9999.0)``
-(their defaults: ``JITTER_DEFAULT``, ``MISSING_FILL``):
+* ``cov_jitter=0`` (the default) is statsmodels' conventional filter with ``initialize_known(a0, P0)``:
+  every output of ``statsmodels.tsa.statespace.kalman_filter.KalmanFilter`` to rounding, missing data
+  included (NaN ``forecast_error`` on missing components, full-size ``forecast_error_cov``).
+* ``kalman_filter(..., cov_jitter=1e-8, missing_value=-9999.0)`` is pymc-extras'
+  ``StandardFilter(cov_jitter=1e-8, missing_fill_value=-9999.0)`` (their defaults):
 
-* ``cov_jitter`` -> their ``stabilize(H, jitter)`` inside ``F`` and
-  ``stabilize(P_filtered, jitter)`` after the update; their Joseph update uses
-  the un-jittered ``H`` in ``K H K^T``, and so does ours; no jitter on the
-  predicted covariance, as theirs.
-* ``missing_value`` -> their ``missing_fill_value``: entries of ``y`` equal to it
-  are missing, as are NaN entries.  Their masking (zeroed rows of ``Z``, ``d``,
-  ``H``, ``y``; ones on the masked diagonal of ``F`` before the Cholesky) is
-  exactly "drop the missing components", which is what we compute.
-* their log-likelihood constant: ``-(k/2) log(2 pi)`` with ``k`` the number of
-  observed components, as here.
-* their output ``predicted_states``/``predicted_covariances`` (n rows, starting
-  with ``a0``/``P0``) is our ``predicted_state[..., :-1, :]``/``predicted_cov[..., :-1, :, :]``;
-  ``filtered_*`` and ``loglike_obs`` are ours.
-* their ``observed_states`` (``y_hat``, zeroed where missing) is
-  ``where(missing, 0, d_t + Z_t @ predicted_state[t])``; their
-  ``observed_covariances`` equals our ``forecast_error_cov`` on observed
-  rows/columns, and is ``0`` off the diagonal and ``cov_jitter`` on the diagonal
-  of missing rows/columns.
-* rounding: we symmetrize ``F`` before the Cholesky (they factor the lower
-  triangle of the unsymmetrized product), so outputs agree to ~1e-12 relative,
-  not bitwise.
+  - their ``stabilize(H, jitter)`` in ``F`` and ``stabilize(P_filtered, jitter)`` are ``j`` above;
+    ``K H K^T`` uses the un-jittered ``H``; no jitter on the predicted covariance;
+  - entries equal to ``missing_value`` are missing, as are NaN entries; their masking (zeroed rows of
+    ``Z``, ``d``, ``H``, ``y``, ones on the masked diagonal of ``F``) is "drop the missing components";
+  - log-likelihood constant ``-(k/2) log(2 pi)``, ``k`` the observed components;
+  - their ``predicted_states``/``predicted_covariances`` are our ``predicted_state[..., :-1, :]``/
+    ``predicted_cov[..., :-1, :, :]``; ``filtered_*`` and ``loglike_obs`` are ours;
+  - their ``observed_states`` is ``where(missing, 0, d_t + Z_t @ predicted_state[t])``; their
+    ``observed_covariances`` is our ``forecast_error_cov`` on observed rows and columns, 0 off the
+    diagonal and ``cov_jitter`` on the diagonal of missing ones;
+  - agreement to ~1e-12 relative, not bitwise: we symmetrize ``F`` before the Cholesky.
 
-Time-varying matrices are declared explicitly: ``time_varying=("T", "Z")``
-means ``T`` has shape (..., n, m, m) and ``Z`` (..., n, p, m) with row ``t``
-used at step ``t`` (``c_t, T_t, R_t, Q_t`` move alpha_t to alpha_{t+1}).
-No dimension guessing is done.
+Gradient (:class:`KalmanFilterGrad`, a second fused Numba Op): a hand-written reverse-mode adjoint.
 
-Failure is a value: if ``F[o, o]`` is not positive definite (or not finite) at
-step ``t``, ``loglik = -inf``, ``loglik_obs[t] = -inf``, the later
-``loglik_obs`` and every filtered/predicted quantity from step ``t`` on are
-NaN; the gradient is NaN.  Nothing raises at run time except a shape mismatch
-that could not be checked at graph-build time (``ValueError``).
+* It re-runs each step's update from the stored ``predicted_state``, ``predicted_cov`` and reverses it
+  stage by stage (:mod:`iterops.ts._kalman_steps`).
+* Cotangents of every output, w.r.t. every input (``y`` where observed, 0 where missing); a
+  disconnected cotangent arrives as a zero-size placeholder.
+* Over a steady-state stretch the covariance cotangents follow from one Lyapunov equation, so only the
+  O(m p + m^2) mean path runs per step (:func:`iterops.ts._kalman_adjoint._steady_adjoint_run`).
+* Second derivatives: a Scan of the same recursion, exact, not fused (:mod:`iterops.ts._kalman_second`);
+  the diffuse filter's adjoint raises ``NotImplementedError`` when differentiated.
 
-Gradient: a hand-written reverse-mode adjoint of the recursion above, in a
-second fused Numba Op (:class:`KalmanFilterGrad`).  The backward pass re-runs
-each step's update from the stored predictions (``predicted_state``,
-``predicted_cov``) and reverses it stage by stage (each stage's vector-Jacobian
-product sits next to the stage in :mod:`iterops.ts._kalman_steps`).  It supports
-cotangents of every output, with respect to every input (``y`` where observed; 0
-where missing).  A disconnected cotangent reaches the adjoint Op as a zero-size
-placeholder.  Over a steady-state stretch the gain terms cancel (with ``cov_jitter > 0``
-up to a term linear in the covariance cotangent) and the covariance cotangents of the
-whole stretch follow from one Lyapunov equation, so far from its start only the
-O(m p + m^2) mean path runs per step, with or without jitter
-(:func:`iterops.ts._kalman_adjoint._steady_adjoint_run`).  The gradient Op itself
-is differentiated once more by a Scan of the same recursion (second derivatives, exact, not fused:
-:mod:`iterops.ts._kalman_second`); the diffuse filter's adjoint raises ``NotImplementedError``.
+Options:
 
-Structured systems: the zeros of ``T`` and ``Z`` (the shift, companion and identity blocks of
-structural, SARIMAX and VAR models, block-diagonal components, zero columns) are found once per
-call from the values (every step for a time-varying matrix); where one is finite and at most half
-nonzero, the products with it (``T P_f T^T``, ``T a_f``, ``Z P Z^T`` and their reverses) skip them,
-O(m nnz) instead of O(m^3).  Results are the dense products' to rounding, failures included: a step
-whose covariance (or cotangent) holds inf or NaN takes the dense product, where ``0 * inf = NaN``
-(:mod:`iterops.ts._kalman_steps`).  The gradient w.r.t. ``T`` stays dense.
+* Structured systems: the zeros of finite, at most half nonzero ``T`` and ``Z`` (shift, companion,
+  identity blocks) are skipped in the products, O(m nnz) instead of O(m^3), with the dense products'
+  results and failures (:mod:`iterops.ts._kalman_steps`).  The gradient w.r.t. ``T`` stays dense.
+* ``univariate="auto" | True | False``: where ``sym(H_t)`` is diagonal, the observed components are
+  processed one at a time (Durbin & Koopman 2012, sec. 6.4; statsmodels' ``filter_univariate``)::
 
-Univariate measurement update (``kalman_filter(..., univariate="auto" | True | False)``): on steps where
-``sym(H_t)`` is diagonal the update can process the observed components one at a time (Durbin &
-Koopman 2012, sec. 6.4; statsmodels' ``filter_univariate``)::
+      for i in o:  v_i = y_i - d_i - Z_i a_f;  F_i = Z_i P_f Z_i^T + H_ii + j   (a_f = a, P_f = S first)
+                   u = P_f Z_i^T / F_i;  a_f += u v_i;  P_f -= u u^T F_i;  ll_i = -(log 2 pi + log F_i + v_i^2/F_i)/2
+      P_f += j I - j K K^T                                                       (K from the sequential gains)
 
-    for i in o:  v_i = y_i - d_i - Z_i a_f;  F_i = Z_i P_f Z_i^T + H_ii + j   (a_f = a, P_f = S first)
-                 u = P_f Z_i^T / F_i;  a_f += u v_i;  P_f -= u u^T F_i;  ll_i = -(log 2 pi + log F_i + v_i^2/F_i)/2
-    P_f += j I - j K K^T                                                       (K from the sequential gains)
+  This is the update above with ``F_oo = L D L^T`` (the ``F_i`` are the pivots of D): the same outputs
+  to rounding, the same failing steps, O(k m^2).  ``forecast_error`` and ``forecast_error_cov`` stay
+  the multivariate ones.  Kernel: :func:`iterops.ts._kalman_steps.update_univariate`; the ``"auto"``
+  rule: :func:`iterops.ts._kalman_steps.prefers_univariate`.  The adjoint is the multivariate one.
+* ``diffuse=mask_or_P_inf``: Durbin & Koopman's exact initial filter, ``P_1 = P0 + kappa P_inf``,
+  ``kappa -> infinity``, as statsmodels' ``initialization='diffuse'`` (:mod:`iterops.ts._kalman_diffuse`).
+  :class:`KalmanFilterDiffuse` runs the diffuse steps, then the ordinary entry point; its adjoint
+  :class:`KalmanFilterDiffuseGrad` reverses both.  A model without ``diffuse`` compiles only the ordinary kernels.
 
-which is the update above with ``F_oo = L D L^T`` in place of its Cholesky factor (the ``F_i`` are the
-pivots of D, all positive exactly when ``F_oo`` is positive definite): the same outputs to rounding, the same
-failing steps, O(k m^2) instead of O(k m^2 + k^2 m + k^3).  ``forecast_error`` and ``forecast_error_cov``
-stay the multivariate ones (``v`` and ``F`` above), not statsmodels' univariate ones.  Kernel:
-:func:`iterops.ts._kalman_steps.update_univariate`; the rule of ``"auto"``:
-:func:`iterops.ts._kalman_steps.prefers_univariate`.  The adjoint is unchanged (it recomputes each step's
-update, multivariate, from the stored predictions), so the gradient is the same function's.
-
-Exact diffuse initialization (``kalman_filter(..., diffuse=mask_or_P_inf)``): Durbin & Koopman's exact
-initial Kalman filter with ``P_1 = P0 + kappa P_inf``, ``kappa -> infinity``, as statsmodels'
-``initialization='diffuse'`` computes it (equations, log-likelihood convention and outputs of the diffuse
-steps in :mod:`iterops.ts._kalman_diffuse`).  One Op, :class:`KalmanFilterDiffuse` (an extra input
-``P_inf``): its entry point runs the diffuse steps ``t < d``, then the ordinary filter's entry point,
-unchanged, on steps ``d..n-1`` from ``(a_d, P_d)``; its adjoint (:class:`KalmanFilterDiffuseGrad`) runs the
-ordinary adjoint on the tail and reverses the diffuse steps by hand.  A model without ``diffuse`` compiles
-only the ordinary kernels.
-
-The kernels sit behind a C-ABI barrier (:class:`iterops._fused.OpaqueKernel`): they compile once per
-machine (cached on disk) and a new graph compiles only its glue.
+The kernels sit behind a C-ABI barrier (:class:`iterops._fused.OpaqueKernel`): compiled once per machine,
+cached on disk; a new graph compiles only its glue.
 
 Reference loop this replaces (what pymc-extras writes with ``pytensor.scan``)::
 
