@@ -247,3 +247,38 @@ def test_companion_kernels_compile_in_the_background_once(tmp_path, background):
     assert f"loaded here from the cache: False {background}" in out.stdout  # compiled once, not again here
     said = [line for line in out.stderr.splitlines() if line.startswith("iterops:")]
     assert len(said) == 1 and "_lyapunov_abi" in said[0], out.stderr
+
+
+def test_a_new_graph_compiles_no_new_specialisation_of_the_shared_glue():
+    """A second Kalman graph (other outputs, other gradients, a constant cotangent) reuses every compiled
+    helper behind the entry points: the run-time shape checks have explicit signatures (string arguments
+    would otherwise compile one specialisation per message), the cotangents reach the checked helpers
+    C-contiguous and writable-typed, and the generated packers are disk-cached like any other helper."""
+    import numba
+    import numpy as np
+    import pytensor
+    import pytensor.tensor as pt
+
+    from iterops import _validate
+    from iterops.ts import kalman
+
+    names = ("y", "a0", "P0", "T", "Z", "R", "H", "Q")
+    ins = [pt.tensor(k, dtype="float64", shape=(None,) * (1 if k == "a0" else 2)) for k in names]
+    y, a0, P0, T, Z, R, H, Q = ins
+    values = (np.array([[1.0], [0.5], [0.2]]), np.zeros(2), np.eye(2), 0.5 * np.eye(2), np.ones((1, 2)),
+              np.eye(2), np.eye(1), np.eye(2))
+
+    def compile_and_run(cost, wrt):
+        f = pytensor.function(ins, [cost, *pytensor.grad(cost, wrt)], on_unused_input="ignore")
+        return f(*values)
+
+    res = iterops.kalman_filter(y, a0, P0, T=T, Z=Z, R=R, H=H, Q=Q)
+    compile_and_run(res.loglik, [a0, T, Q])
+    glue = [d for d in vars(kalman).values() if isinstance(d, numba.core.registry.CPUDispatcher)]
+    glue += [kalman.FILTER_ABI.pack, kalman.ADJOINT_ABI.pack, _validate._check_dims]
+    before = {d: len(d.overloads) for d in glue}
+    res = iterops.kalman_filter(y, a0, P0, T=T, Z=Z, R=R, H=H, Q=Q)
+    compile_and_run(res.loglik + (res.filtered_state ** 2).sum() + res.filtered_cov.sum(), [Z, H, P0])
+    compile_and_run(res.loglik + (res.predicted_cov ** 3).sum(), [y, R])
+    grown = {d.py_func.__name__: (before[d], len(d.overloads)) for d in glue if len(d.overloads) != before[d]}
+    assert not grown, f"helpers compiled again for a new graph (before, after): {grown}"
