@@ -79,7 +79,9 @@ def run(quick: bool) -> list[Section]:
         "timed with OpenBLAS's default threads on a loaded machine (here both dense rows take the better of "
         "default and one BLAS thread).  iterops' gradient is one kernel (`LevinsonDurbinGrad`: a "
         "Gohberg-Semencul solve from the stepped-down predictor plus diagonal sums, about 3 p^2 multiply-adds "
-        "in vectorizable loops), CPU time at p = 200 about 0.6x the Levinson-Durbin forward's.",
+        "in vectorizable loops), CPU time at p = 200 about 0.6x the Levinson-Durbin forward's.  What bounds the "
+        "missed p <= 10 targets against the Scan: a compiled function's per-call cost; the forward alone "
+        "(column 'iterops fwd') is most of the f+g call there, and the Scan's f+g divided by it is below 5.",
     )
     lat = Section(
         title="pacf_to_ar (stationary AR reparametrization): forward + gradient, and forward vs statsmodels",
