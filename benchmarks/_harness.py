@@ -34,6 +34,18 @@ def best_time(fn, *args, min_time: float = 0.2, repeat: int = 5) -> float:
     return min(times)
 
 
+def best_time_any_blas_threads(fn, *args, **kw) -> float:
+    """:func:`best_time` with OpenBLAS's default threads and with one thread, the lower of the two.
+
+    On a loaded 2-core machine, BLAS threads waiting for a busy core can make a 50 x 50 product or a
+    200 x 200 solve 10-1000x slower; a baseline that calls BLAS gets its better setting."""
+    from threadpoolctl import threadpool_limits  # noqa: PLC0415  (a dependency of PyMC, dev-only here)
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        one = best_time(fn, *args, **kw)
+    return min(one, best_time(fn, *args, **kw))
+
+
 def compile_time(build, repeat: int = 1) -> tuple[float, object]:
     """Best-of-``repeat`` seconds to run ``build()`` (graph construction + ``pytensor.function``).
 

@@ -147,6 +147,49 @@ def test_yule_walker_grad_matches_dense_solve(rng):
     np.testing.assert_allclose(g, g_dense, rtol=1e-9, atol=1e-10)
 
 
+def _plain_dense_yule_walker(a, p):
+    """The spelling a user writes: the Toeplitz matrix by indexing, a dense positive-definite solve."""
+    i = pt.arange(p)
+    phi = pt.linalg.solve(a[pt.abs(i[:, None] - i[None, :])], a[1 : p + 1], assume_a="pos")
+    return phi, a[0] - pt.dot(a[1 : p + 1], phi)
+
+
+@pytest.mark.parametrize("p, bound", [(1, 0.9), (2, 0.95), (7, 0.9), (60, 0.5), (200, 0.3)])
+def test_yule_walker_grad_matches_plain_dense_solve_compiled(p, bound, rng):
+    """The compiled gradient kernel (acov longer than p + 1, cotangents of phi and sigma2, then also of
+    pacf) against autodiff of the plain dense solve."""
+    acov = sm_acov(random_ar(rng, p, bound), 1.7, p + 2)
+    a = pt.vector("a")
+    w, w2 = rng.normal(size=p), rng.normal(size=p)
+    phi, s2 = yule_walker(a, p)
+    phi_d, s2_d = _plain_dense_yule_walker(a, p)
+    pacf = levinson_durbin(a, p).pacf
+    pacf_d = iterops.ts.ar_to_pacf(phi_d)
+    f = pytensor.function([a], [pytensor.grad(pt.dot(w, phi) - 0.7 * s2, a), pytensor.grad(pt.dot(w, phi_d) - 0.7 * s2_d, a),
+                                pytensor.grad(pt.dot(w2, pacf) + s2, a), pytensor.grad(pt.dot(w2, pacf_d) + s2_d, a)])
+    g, g_dense, h, h_dense = f(acov)
+    cond = np.linalg.cond(sl.toeplitz(acov[:p]))
+    np.testing.assert_allclose(g, g_dense, rtol=0, atol=1e-13 * cond * np.abs(g_dense).max())
+    np.testing.assert_allclose(h, h_dense, rtol=0, atol=1e-13 * cond * np.abs(h_dense).max())
+    assert g[-1] == 0.0 and h[-1] == 0.0  # gamma_{p+1} is not read
+
+
+def test_levinson_durbin_gradient_failure_is_nan_and_shapes_are_checked(mode):
+    a = pt.vector("a")
+    res = levinson_durbin(a, 2)
+    f = pytensor.function([a], pytensor.grad(res.sigma2 + res.ar.sum(), a), mode=mode)
+    for bad in ([1.0, 2.0, 0.1], [1.0, 0.9, -0.9], [1.0, np.nan, 0.1]):
+        assert np.all(np.isnan(f(np.array(bad)))), bad
+    # the gradient Op checks its run-time shapes before its kernel reads them
+    phi, phi_bar = pt.vector("phi"), pt.vector("phi_bar")
+    g = iterops.ts.levinson.LevinsonDurbinGrad(2)(a, phi, phi_bar, pt.scalar("s"))
+    fg = pytensor.function([a, phi, phi_bar, g.owner.inputs[3]], g, mode=mode)
+    with pytest.raises(ValueError, match=r"levinson_durbin gradient: phi must have shape \(order,\) = \(2,\)"):
+        fg(np.array([1.0, 0.5, 0.1]), np.zeros(3), np.zeros(2), 1.0)
+    with pytest.raises(ValueError, match=r"levinson_durbin gradient: acov must have shape"):
+        fg(np.array([1.0, 0.5]), np.zeros(2), np.zeros(2), 1.0)
+
+
 def test_levinson_durbin_failure_is_nan():
     a = pt.vector("a")
     f = pytensor.function([a], list(levinson_durbin(a, 2)), mode=FAST)

@@ -9,9 +9,10 @@ the inner sums over ``j < k`` written as masked vector operations.  Failure valu
 arithmetic, inf/NaN where the loop has them), except all-NaN when ``gamma`` is shorter than
 ``order + 1``; ``acovf`` gives NaN for lags ``>= n``.
 
-Gradients: ``LevinsonDurbin`` and ``AutoCov`` are differentiated by PyTensor (implicit Toeplitz solve,
-convolutions), so a JAX gradient graph holds :class:`~iterops.ts.toeplitz.SolveToeplitz` and
-:class:`~iterops.ts.ar.ARDerivative` (see :mod:`iterops.jax.toeplitz`, :mod:`iterops.jax.ar`).
+Gradients: ``LevinsonDurbin``'s pullback is its gradient Op :class:`~iterops.ts.levinson.LevinsonDurbinGrad`
+(here :func:`levinson_durbin_vjp`: a symmetric Toeplitz solve by :mod:`iterops.jax.toeplitz` and diagonal
+sums), with :class:`~iterops.ts.ar.ARDerivative` for a ``pacf`` cotangent (:mod:`iterops.jax.ar`);
+``AutoCov``'s is PyTensor's (convolutions).
 ``LevinsonRecursionGrad`` (and ``jax.grad`` of
 :func:`levinson_recursion`, a ``jax.custom_vjp``) is the Numba kernel's hand-written adjoint: the forward
 scan again keeping its tape (``phi^(k)``, ``v_k`` entering each step), then a reverse ``lax.scan`` of
@@ -29,7 +30,7 @@ from jax import lax
 
 from iterops.jax._common import cast_outputs, masked_reverse
 
-__all__ = ["levinson_recursion", "levinson_recursion_vjp", "levinson_durbin", "acovf"]
+__all__ = ["levinson_recursion", "levinson_recursion_vjp", "levinson_durbin", "levinson_durbin_vjp", "acovf"]
 
 
 def _numerator(gamma, k, phi):
@@ -161,17 +162,25 @@ def _durbin_fwd(acov, order):
 
 def _durbin_bwd(order, res, cts):
     from iterops.jax.ar import ar_derivative
-    from iterops.jax.toeplitz import diagonal_sums, solve_toeplitz
 
     acov, phi = res
     phi_bar, sigma2_bar, pacf_bar = cts
+    phi_bar = phi_bar + ar_derivative("ar_to_pacf", "vjp", phi, pacf_bar)
+    return (levinson_durbin_vjp(acov, phi, phi_bar, sigma2_bar, order),)
+
+
+def levinson_durbin_vjp(acov, phi, phi_bar, sigma2_bar, order):
+    """``acov_bar`` from the cotangents of ``phi`` (pacf's included) and ``sigma2``, as
+    :class:`~iterops.ts.levinson.LevinsonDurbinGrad`: ``lam = Gamma_p^{-1} (phi_bar - sigma2_bar gamma_{1:p})``
+    (a symmetric Toeplitz solve), then the symmetric diagonal sums of ``-lam phi^T``."""
+    from iterops.jax.toeplitz import diagonal_sums, solve_toeplitz
+
     p = order
-    phi_total = phi_bar + ar_derivative("ar_to_pacf", "vjp", phi, pacf_bar) - sigma2_bar * acov[1 : p + 1]
+    lam = solve_toeplitz(acov[:p], acov[:p], (phi_bar - sigma2_bar * acov[1 : p + 1])[:, None])[:, 0]
     acov_bar = jnp.zeros_like(acov).at[0].add(sigma2_bar).at[1 : p + 1].add(-sigma2_bar * phi)
-    lam = solve_toeplitz(acov[:p], acov[:p], phi_total[:, None])[:, 0]
     S = diagonal_sums(-jnp.outer(lam, phi))  # S[p - 1 + d]: diagonal i - j = d
     sym = S[p - 1 :] + jnp.concatenate([jnp.zeros(1), S[: p - 1][::-1]])
-    return (acov_bar.at[:p].add(sym).at[1 : p + 1].add(lam),)
+    return acov_bar.at[:p].add(sym).at[1 : p + 1].add(lam)
 
 
 levinson_durbin.defvjp(_durbin_fwd, _durbin_bwd)
@@ -208,7 +217,7 @@ def acovf(x, nlags, adjusted=False):
 
 
 def register(jax_funcify):
-    from iterops.ts.levinson import AutoCov, LevinsonDurbin
+    from iterops.ts.levinson import AutoCov, LevinsonDurbin, LevinsonDurbinGrad
     from iterops.ts.levinson_recursion import LevinsonRecursion, LevinsonRecursionGrad
 
     @jax_funcify.register(LevinsonRecursion)
@@ -238,6 +247,17 @@ def register(jax_funcify):
             return cast_outputs(node, levinson_durbin(acov.astype(jnp.float64), order))
 
         return levinson_durbin_fn
+
+    @jax_funcify.register(LevinsonDurbinGrad)
+    def _durbin_grad_fn(op, node=None, **kwargs):
+        order = op.order
+
+        def levinson_durbin_grad_fn(acov, phi, phi_bar, sigma2_bar):
+            f64 = jnp.float64
+            g = levinson_durbin_vjp(acov.astype(f64), phi.astype(f64), phi_bar.astype(f64), sigma2_bar.astype(f64), order)
+            return cast_outputs(node, g)
+
+        return levinson_durbin_grad_fn
 
     @jax_funcify.register(AutoCov)
     def _acov_fn(op, node=None, **kwargs):

@@ -20,15 +20,23 @@ Failure is a value: if ``gamma_0 <= 0``, the Toeplitz matrix ``Gamma_{p+1}`` is
 not positive definite (some ``v_k <= 0``, i.e. ``|kappa_k| >= 1``) or an input is
 not finite, every output is NaN.  An ``acov`` shorter than ``order + 1`` raises ``ValueError``.
 
-Gradients (exact, composed from public functions so batching works):
-``phi`` by the implicit function theorem on ``F(phi; gamma) = Gamma_p phi -
-gamma_{1:p}`` (adjoint: a symmetric Toeplitz solve, :func:`solve_toeplitz`);
-``sigma2 = gamma_0 - gamma_{1:p}^T phi`` directly; ``pacf = ar_to_pacf(phi)``
-through the adjoint of :func:`ar_to_pacf`.  Forward mode likewise.  The ``phi`` part is
-written by hand rather than through :func:`iterops._implicit.implicit_pullback` for the reason
-given in :mod:`iterops.ts.toeplitz` (the residual's autodiff would form the ``p x p`` Toeplitz
-matrix, or go through a convolution whose pullback does not vectorize under ``Blockwise``); it
-uses the same structured adjoint, :func:`~iterops.ts.toeplitz.outer_diagonal_sums`.
+Gradients (exact): reverse mode is one fused kernel, :class:`LevinsonDurbinGrad`
+(:func:`levinson_durbin_vjp_kernel`, about 3 p^2 multiply-adds in loops without a recurrence).
+By the implicit function theorem on ``F(phi; gamma) = Gamma_p phi - gamma_{1:p}``,
+``lam = Gamma_p^{-1} phi_bar_total`` with ``phi_bar_total = phi_bar - sigma2_bar gamma_{1:p}``
+(``sigma2 = gamma_0 - gamma_{1:p}^T phi``), computed by the Gohberg-Semencul formula
+
+.. math::  \Gamma_p^{-1} = \frac{1}{v_{p-1}}\left(L(u)L(u)^T - L(w)L(w)^T\right),\quad
+           u = (1, -a_1, \dots, -a_{p-1}),\quad w = (0, -a_{p-1}, \dots, -a_1)
+
+(Gohberg & Semencul 1972; Golub & Van Loan, *Matrix Computations*, 4th ed., Sec. 4.7) from the
+order ``p - 1`` predictor ``a``, one step-down of ``phi`` (:mod:`iterops.ts.ar`); ``L(.)`` is
+lower-triangular Toeplitz.  Then ``gamma_{1:p}`` gets ``lam``, ``gamma_{0:p-1}`` the symmetric
+diagonal sums of ``-lam phi^T``.  A ``pacf`` cotangent reaches ``phi`` through the adjoint of
+:func:`ar_to_pacf`.  Second derivatives: the gradient Op's pullback differentiates the same formula
+written with public functions (:func:`solve_toeplitz`, :func:`~iterops.ts.toeplitz.outer_diagonal_sums`),
+which the kernel equals wherever ``phi`` is the forward's.  Forward mode:
+``Gamma_p phi_dot = gamma_dot_{1:p} - Gamma_dot_p phi`` by :func:`solve_toeplitz`.
 """
 
 from __future__ import annotations
@@ -37,14 +45,16 @@ from typing import NamedTuple
 
 import numba
 import numpy as np
+import pytensor
 import pytensor.tensor as pt
 from pytensor.gradient import DisconnectedType, disconnected_type
 from pytensor.graph.basic import Apply
+from pytensor.graph.replace import graph_replace
 from pytensor.tensor.signal import convolve1d
 from pytensor.tensor.variable import TensorVariable
 
 from iterops._fused import FusedOp, apply_batched, entry_point, register_fused_op
-from iterops._validate import as_tensor, check_at_least, float_dtype
+from iterops._validate import as_tensor, check_at_least, check_shape, float_dtype
 from iterops.ts.ar import _derivative, _static_int
 from iterops.ts.toeplitz import outer_diagonal_sums, solve_toeplitz, toeplitz_matrix
 
@@ -54,8 +64,10 @@ __all__ = [
     "yule_walker",
     "acovf",
     "LevinsonDurbin",
+    "LevinsonDurbinGrad",
     "AutoCov",
     "levinson_durbin_kernel",
+    "levinson_durbin_vjp_kernel",
 ]
 
 
@@ -117,6 +129,69 @@ def levinson_durbin_kernel(acov, order):
 
 
 @numba.njit(cache=True)
+def levinson_durbin_vjp_kernel(acov, phi, phi_bar, sigma2_bar):
+    """``acov_bar`` (m,) of ``(phi, sigma2) = levinson_durbin(acov, p)`` for float64 ``acov`` (m,), ``phi`` (p,)
+    (the forward's, ``p >= 1``), cotangents ``phi_bar`` (p,) and ``sigma2_bar`` (a float).
+
+    ``lam = Gamma_p^{-1} (phi_bar - sigma2_bar gamma_{1:p})`` by the Gohberg-Semencul formula from the
+    order-(p-1) predictor (``phi`` stepped down once), then ``gamma_{1:p}`` gets ``lam - sigma2_bar phi``,
+    ``gamma_0`` gets ``sigma2_bar`` and ``gamma_{0:p-1}`` the symmetric diagonal sums of ``-lam phi^T``.
+    About 3 p^2 multiply-adds in loops without a recurrence.  All NaN where the forward failed.
+    """
+    m, p = acov.shape[0], phi.shape[0]
+    out = np.zeros(m)
+    kap = phi[p - 1]
+    den = 1.0 - kap * kap
+    if not den > 0.0:  # |kappa_p| >= 1 or NaN: the forward failed
+        out[:] = np.nan
+        return out
+    # order p-1 predictor a (step-down) and its error variance v_{p-1}; the Gohberg-Semencul
+    # generators u = [1, -a_1, ..., -a_{p-1}], w = [0, -a_{p-1}, ..., -a_1]:
+    # Gamma_p^{-1} = (L(u) L(u)^T - L(w) L(w)^T) / v_{p-1}, L(.) lower-triangular Toeplitz
+    u = np.zeros(p)
+    w = np.zeros(p)
+    u[0] = 1.0
+    v = acov[0]
+    for j in range(p - 1):
+        a = (phi[j] + kap * phi[p - 2 - j]) / den
+        u[j + 1] = -a
+        w[p - 1 - j] = -a
+        v -= acov[j + 1] * a
+    if not v > 0.0:
+        out[:] = np.nan
+        return out
+    b = np.empty(p)  # total cotangent of phi (sigma2 = gamma_0 - gamma_{1:p}.phi contributes)
+    for i in range(p):
+        b[i] = phi_bar[i] - sigma2_bar * acov[i + 1]
+    t1 = np.zeros(p)  # L(u)^T b
+    t2 = np.zeros(p)  # L(w)^T b
+    for d in range(p):
+        ud, wd, bd = u[d], w[d], b[d:]  # (views, here and below: indices LLVM can vectorize)
+        for i in range(p - d):
+            t1[i] += ud * bd[i]
+            t2[i] += wd * bd[i]
+    lam = np.zeros(p)  # L(u) t1 - L(w) t2
+    for d in range(p):
+        ud, wd, lamd = u[d], w[d], lam[d:]
+        for i in range(p - d):
+            lamd[i] += ud * t1[i] - wd * t2[i]
+    for i in range(p):
+        lam[i] /= v
+    s = np.zeros(2 * p - 1)  # s[p - 1 + i - j] = sum of lam_i phi_j along diagonal i - j
+    for j in range(p):
+        pj = phi[j]
+        sj = s[p - 1 - j : 2 * p - 1 - j]
+        for i in range(p):
+            sj[i] += pj * lam[i]
+    out[0] = sigma2_bar - s[p - 1]
+    for k in range(1, p):
+        out[k] = -(s[p - 1 + k] + s[p - 1 - k])
+    for i in range(p):
+        out[i + 1] += lam[i] - sigma2_bar * phi[i]
+    return out
+
+
+@numba.njit(cache=True)
 def autocov_kernel(x, nlags, adjusted):
     """``sum_{t} x[t+k] x[t] / d_k`` for k = 0..nlags, ``d_k = n`` or ``n - k``; NaN for k >= n."""
     n = x.shape[0]
@@ -172,32 +247,18 @@ class LevinsonDurbin(FusedOp):
 
     def pullback(self, inputs, outputs, cotangents):
         (acov,) = inputs
-        phi, _, _ = outputs
+        phi, sigma2, _ = outputs
         phi_bar, sigma2_bar, pacf_bar = cotangents
-        p = self.order
         connected = [not isinstance(v.type, DisconnectedType) for v in cotangents]
         if not any(connected):
             return [disconnected_type()]
-        acov_bar = pt.zeros_like(acov)
-        # total cotangent of phi: direct, via pacf = ar_to_pacf(phi), via sigma2 = gamma_0 - gamma_{1:p}.phi
-        terms = []
-        if connected[0]:
-            terms.append(phi_bar)
+        # cotangent of phi, direct and via pacf = ar_to_pacf(phi); sigma2's goes to the kernel
+        terms = [phi_bar] if connected[0] else []
         if connected[2]:
             terms.append(_derivative("ar_to_pacf", "vjp", phi, pacf_bar))
-        if connected[1]:
-            terms.append(-sigma2_bar * acov[1 : p + 1])
-            acov_bar = pt.inc_subtensor(acov_bar[0], sigma2_bar)
-            acov_bar = pt.inc_subtensor(acov_bar[1 : p + 1], -sigma2_bar * phi)
-        phi_total = sum(terms[1:], terms[0])
-        # IFT on Gamma_p phi = gamma_{1:p} (Gamma_p symmetric): lam = Gamma_p^{-1} phi_total,
-        # gamma_{1:p} gets lam, gamma_{0:p-1} the symmetric diagonal sums of -lam phi^T
-        lam = solve_toeplitz(acov[:p], phi_total)
-        S = -outer_diagonal_sums(lam[:, None], phi[:, None])  # (2p - 1,): diagonal i - j = d at p - 1 + d
-        sym = S[p - 1 :] + pt.concatenate([pt.zeros((1,), dtype=S.dtype), S[: p - 1][::-1]])
-        acov_bar = pt.inc_subtensor(acov_bar[:p], sym)
-        acov_bar = pt.inc_subtensor(acov_bar[1 : p + 1], lam)
-        return [acov_bar]
+        phi_bar = sum(terms[1:], terms[0]) if terms else pt.zeros_like(phi)
+        sigma2_bar = sigma2_bar if connected[1] else pt.zeros_like(sigma2)
+        return [apply_batched(LevinsonDurbinGrad(self.order), acov, phi, phi_bar, sigma2_bar)]
 
     def pushforward(self, inputs, outputs, tangents):
         (acov,) = inputs
@@ -211,6 +272,78 @@ class LevinsonDurbin(FusedOp):
         sigma2_dot = acov_dot[0] - pt.dot(acov_dot[1 : p + 1], phi) - pt.dot(acov[1 : p + 1], phi_dot)
         pacf_dot = _derivative("ar_to_pacf", "jvp", phi, phi_dot)
         return [phi_dot, sigma2_dot, pacf_dot]
+
+
+def _vjp_graph(acov, phi, phi_bar, sigma2_bar, p):
+    """:class:`LevinsonDurbinGrad`'s value written with public functions (a Toeplitz solve and a
+    cross-correlation): what its own pullback differentiates, and the JAX backend's formula."""
+    # IFT on Gamma_p phi = gamma_{1:p} (Gamma_p symmetric): lam = Gamma_p^{-1} phi_total,
+    # gamma_{1:p} gets lam, gamma_{0:p-1} the symmetric diagonal sums of -lam phi^T
+    lam = solve_toeplitz(acov[:p], phi_bar - sigma2_bar * acov[1 : p + 1])
+    S = -outer_diagonal_sums(lam[:, None], phi[:, None])  # (2p - 1,): diagonal i - j = d at p - 1 + d
+    sym = S[p - 1 :] + pt.concatenate([pt.zeros((1,), dtype=S.dtype), S[: p - 1][::-1]])
+    acov_bar = pt.inc_subtensor(pt.zeros_like(acov)[0], sigma2_bar)
+    acov_bar = pt.inc_subtensor(acov_bar[:p], sym)
+    return pt.inc_subtensor(acov_bar[1 : p + 1], lam - sigma2_bar * phi)
+
+
+@entry_point
+def _vjp_entry(order: int, out_dtype: str):
+    out = np.dtype(out_dtype).type
+
+    @numba.njit
+    def run(acov, phi, phi_bar, sigma2_bar):
+        func = "levinson_durbin gradient"
+        check_at_least(func, "acov", acov, "(m,), m >= order + 1", order + 1)
+        check_shape(func, "phi", phi, "(order,)", (order,))
+        check_shape(func, "phi_bar", phi_bar, "(order,)", (order,))
+        f64 = np.float64
+        return levinson_durbin_vjp_kernel(
+            np.ascontiguousarray(acov).astype(f64),
+            np.ascontiguousarray(phi).astype(f64),
+            np.ascontiguousarray(phi_bar).astype(f64),
+            f64(sigma2_bar.item()),
+        ).astype(out)
+
+    return run
+
+
+@register_fused_op
+class LevinsonDurbinGrad(FusedOp):
+    """Core Op ``(m),(p),(p),()->(m)``: ``acov_bar`` from ``(acov, phi, phi_bar, sigma2_bar)``.
+
+    The reverse pass of :class:`LevinsonDurbin` (:func:`levinson_durbin_vjp_kernel`); ``phi`` must be the
+    forward's ``ar`` at ``acov``.  Its pullback differentiates :func:`_vjp_graph`, which equals the
+    kernel wherever ``phi = levinson_durbin(acov).ar``, so second derivatives along that graph are exact.
+    """
+
+    __props__ = ("order",)
+    gufunc_signature = "(m),(p),(p),()->(m)"
+
+    def __init__(self, order: int):
+        self.order = int(order)
+
+    def make_node(self, acov, phi, phi_bar, sigma2_bar):
+        inputs = [pt.as_tensor_variable(x) for x in (acov, phi, phi_bar, sigma2_bar)]
+        acov_bar = pt.tensor(dtype=float_dtype(inputs[0]), shape=inputs[0].type.shape)
+        return Apply(self, inputs, [acov_bar])
+
+    def infer_shape(self, node, input_shapes):
+        return [input_shapes[0]]
+
+    def numba_fn(self, node):
+        return _vjp_entry(self.order, node.outputs[0].type.dtype)
+
+    def pullback(self, inputs, outputs, cotangents):
+        (w,) = cotangents
+        if isinstance(w.type, DisconnectedType):
+            return [disconnected_type()] * 4
+        # partial derivatives: on fresh copies of the inputs (phi depends on acov in the caller's graph)
+        fresh = [x.type() for x in inputs]
+        w_ = w.type()
+        bars = pytensor.grad(pt.sum(w_ * _vjp_graph(*fresh, self.order)), fresh,
+                             disconnected_inputs="ignore", return_disconnected="zero")
+        return graph_replace(bars, dict(zip([*fresh, w_], [*inputs, w])), strict=False)
 
 
 @entry_point
