@@ -53,6 +53,7 @@ from numba.core.caching import CacheImpl, _CacheLocator
 from numba.core.typing.ctypes_utils import to_ctypes
 from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
+import pytensor.tensor as pt
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.link.numba.dispatch.basic import register_funcify_default_op_cache_key
@@ -60,6 +61,7 @@ from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.utils import _parse_gufunc_signature
 
 from iterops import _background
+from iterops._validate import float_dtype
 
 __all__ = [
     "FusedOp", "apply_batched", "register_fused_op", "entry_point", "data_ptr", "keep_alive", "F64P", "OpaqueKernel",
@@ -431,6 +433,18 @@ class FusedOp(Op):
             result = (result,)
         for storage, value, out in zip(output_storage, result, node.outputs):
             storage[0] = np.asarray(value, dtype=out.type.dtype)
+
+
+class FirstInputShaped(FusedOp):
+    """A :class:`FusedOp` with one output of its first input's shape, in the inputs' floating dtype
+    (a gradient with respect to the first input, an elementwise map)."""
+
+    def make_node(self, *inputs):
+        inputs = [pt.as_tensor_variable(x) for x in inputs]
+        return Apply(self, inputs, [pt.tensor(dtype=float_dtype(inputs[0]), shape=inputs[0].type.shape)])
+
+    def infer_shape(self, node, input_shapes):
+        return [input_shapes[0]]
 
 
 def apply_batched(op: Op, *inputs):

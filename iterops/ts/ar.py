@@ -66,7 +66,7 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.replace import graph_replace
 from pytensor.tensor.variable import TensorVariable
 
-from iterops._fused import FusedOp, apply_batched, entry_point, register_fused_op
+from iterops._fused import FirstInputShaped, FusedOp, apply_batched, entry_point, register_fused_op
 from iterops._validate import as_tensor, float_dtype
 
 __all__ = [
@@ -383,19 +383,12 @@ def _derivative_entry(fn: int, mode: int, nlags: int, out_dtype: str):
     return run
 
 
-class _VectorMap(FusedOp):
+class _VectorMap(FirstInputShaped):
     """Core Op ``(p)->(p)`` shared by :class:`PacfToAR` and :class:`ARToPacf`."""
 
     __props__ = ()
     gufunc_signature = "(p)->(p)"
     fn: str
-
-    def make_node(self, x):
-        x = pt.as_tensor_variable(x)
-        return Apply(self, [x], [pt.tensor(dtype=float_dtype(x), shape=x.type.shape)])
-
-    def infer_shape(self, node, input_shapes):
-        return [input_shapes[0]]
 
     def numba_fn(self, node):
         return _vec_entry(self.fn, node.outputs[0].type.dtype)

@@ -53,7 +53,7 @@ from pytensor.graph.replace import graph_replace
 from pytensor.tensor.signal import convolve1d
 from pytensor.tensor.variable import TensorVariable
 
-from iterops._fused import FusedOp, apply_batched, entry_point, register_fused_op
+from iterops._fused import FirstInputShaped, FusedOp, apply_batched, entry_point, register_fused_op
 from iterops._validate import as_tensor, check_at_least, check_shape, float_dtype
 from iterops.ts.ar import _derivative, _static_int
 from iterops.ts.toeplitz import outer_diagonal_sums, solve_toeplitz, toeplitz_matrix
@@ -309,7 +309,7 @@ def _vjp_entry(order: int, out_dtype: str):
 
 
 @register_fused_op
-class LevinsonDurbinGrad(FusedOp):
+class LevinsonDurbinGrad(FirstInputShaped):
     """Core Op ``(m),(p),(p),()->(m)``: ``acov_bar`` from ``(acov, phi, phi_bar, sigma2_bar)``.
 
     The reverse pass of :class:`LevinsonDurbin` (:func:`levinson_durbin_vjp_kernel`); ``phi`` must be the
@@ -322,14 +322,6 @@ class LevinsonDurbinGrad(FusedOp):
 
     def __init__(self, order: int):
         self.order = int(order)
-
-    def make_node(self, acov, phi, phi_bar, sigma2_bar):
-        inputs = [pt.as_tensor_variable(x) for x in (acov, phi, phi_bar, sigma2_bar)]
-        acov_bar = pt.tensor(dtype=float_dtype(inputs[0]), shape=inputs[0].type.shape)
-        return Apply(self, inputs, [acov_bar])
-
-    def infer_shape(self, node, input_shapes):
-        return [input_shapes[0]]
 
     def numba_fn(self, node):
         return _vjp_entry(self.order, node.outputs[0].type.dtype)

@@ -68,7 +68,7 @@ from pytensor.tensor.variable import TensorVariable
 
 from iterops._second_order import reverse_twice
 from iterops.reference_loops import levinson_loop, levinson_spelled_step
-from iterops._fused import FusedOp, apply_batched, entry_point, register_fused_op
+from iterops._fused import FirstInputShaped, FusedOp, apply_batched, entry_point, register_fused_op
 from iterops._validate import as_tensor, check_at_least, check_shape, float_dtype
 from iterops.ts.ar import _static_int
 
@@ -320,7 +320,7 @@ def _vjp_entry(order: int, v_form: int, dtype: str):
 
 
 @register_fused_op
-class LevinsonRecursionGrad(FusedOp):
+class LevinsonRecursionGrad(FirstInputShaped):
     """Core Op ``(n),(p),(),(p)->(n)``: ``gamma_bar`` from ``(phi_bar, sigma2_bar, kappa_bar)``.
 
     The reverse pass of :class:`LevinsonRecursion` (module docstring); differentiated through the loop.
@@ -332,14 +332,6 @@ class LevinsonRecursionGrad(FusedOp):
     def __init__(self, order: int, v_form: int = 0):
         self.order = int(order)
         self.v_form = int(v_form)
-
-    def make_node(self, gamma, phi_bar, sigma2_bar, kappa_bar):
-        inputs = [pt.as_tensor_variable(x) for x in (gamma, phi_bar, sigma2_bar, kappa_bar)]
-        gamma_bar = pt.tensor(dtype=float_dtype(inputs[0]), shape=inputs[0].type.shape)
-        return Apply(self, inputs, [gamma_bar])
-
-    def infer_shape(self, node, input_shapes):
-        return [input_shapes[0]]
 
     def numba_fn(self, node):
         return _vjp_entry(self.order, self.v_form, node.outputs[0].type.dtype)
