@@ -223,9 +223,9 @@ def test_kernels_in_bounds(tmp_path):
     assert proc.stdout.startswith("ok")
 
 
-#: kernel stages not yet regrouped (the Kalman reverse loops are being rewritten for speed elsewhere); the
-#: test fails when one of them is fixed and not removed here, or when any other function exceeds the limit
-KNOWN = {"_steady_adjoint_run", "_steady_reverse_steps", "_component_vjp"}
+#: private functions allowed over the limit (none: arguments are grouped by role in NamedTuples); the test
+#: fails when one listed here is fixed and not removed, or when any other function exceeds the limit
+KNOWN = set()
 
 
 def test_no_private_function_takes_more_than_12_arguments():

@@ -60,6 +60,22 @@ class InputCotangents(NamedTuple):
     system: System  #: as the system
 
 
+class _Tape(NamedTuple):
+    """What a steady stretch's reverse reads of the forward pass."""
+
+    y: np.ndarray  #: (n, p) the observations
+    a: np.ndarray  #: (n + 1, m) predicted_state
+    P: np.ndarray  #: (n + 1, m, m) predicted_cov
+
+
+class _ReverseState(NamedTuple):
+    """The reverse pass's running state, updated in place step after step."""
+
+    abar: np.ndarray  #: (m,) cotangent of the prediction a_{t+1} entering the step processed next
+    Pbar: np.ndarray  #: (m, m) cotangent of P_{t+1}
+    Grq: np.ndarray  #: (m, m) sum of G = sym(P'_bar) over the steps done, for static R and Q
+
+
 class _SteadyCache(NamedTuple):
     """The update of a steady stretch's predicted covariance, left by the generic reverse of the
     step just after the stretch (``L, K, Finv, Pf`` are that step's work arrays).  ``j`` is the
@@ -120,6 +136,7 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad):
     )
     Grq = carve(buf, o + 6 * mm + m * p, (m, m))  # sum of G over the steps, for static R and Q
     Grq[:, :] = 0.0
+    tape, state = _Tape(y, ap, Pp), _ReverseState(abar, Pbar, Grq)  # for the steady stretches
     fast = static_cov(system)
     cached = False  # the work arrays hold the update of cache.P, fully observed (fast only)
     vary = varies_over_time(system)
@@ -132,7 +149,7 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad):
         if cached and fully_observed(y, t, options) and _row_same(Pp, t, Pp[t + 1]):
             copy_into(Pp[t + 1], cache.P)
             _steady_cache(system.T[0], Zo, cache)  # the work arrays still hold cache.P's update
-            t = _steady_adjoint_run(t, y, system, options, ap, Pp, cot, grad, abar, Pbar, Grq, cache, sx)
+            t = _steady_adjoint_run(t, tape, system, options, cot, grad, state, cache, sx)
             continue
         if vary:
             st, gst = system_at(system, t), system_at(grad.system, t)
@@ -273,6 +290,15 @@ class _SteadyWork(NamedTuple):
     W2: np.ndarray  #: (p, m) scratch
 
 
+class _Stretch(NamedTuple):
+    """A steady stretch's steps ``t, t-1, ..., s0``; the ``window`` steps nearest ``s0`` run the covariance
+    recursion (all when ``window = 0``, :func:`_steady_window`)."""
+
+    t: int
+    s0: int
+    window: int
+
+
 class _SteadySums(NamedTuple):
     """Sums over a steady stretch, from which the covariance-path cotangents follow."""
 
@@ -289,11 +315,12 @@ _MAX_JITTER_SWEEPS = 12
 
 
 @numba.njit(cache=True)
-def _steady_adjoint_run(t, y, system, options, ap, Pp, cot, grad, abar, Pbar, Grq, cache, sx):
+def _steady_adjoint_run(t, tape, system, options, cot, grad, state, cache, sx):
     """Backward steps t, t-1, ..., s0 of a steady stretch: static system, every component
-    observed and ``P_s`` bitwise ``cache.P``, whose update is ``cache``
-    (:class:`_SteadyCache`).  ``abar, Pbar``: the cotangents of ``a_{t+1}, P_{t+1}`` in, of
-    ``a_s0, P_s0`` out.  Returns ``s0 - 1``, the next step to process.
+    observed and ``P_s`` (``tape``: :class:`_Tape`) bitwise ``cache.P``, whose update is ``cache``
+    (:class:`_SteadyCache`).  ``state`` (:class:`_ReverseState`): ``abar, Pbar`` the cotangents of
+    ``a_{t+1}, P_{t+1}`` in, of ``a_s0, P_s0`` out; ``Grq += Gs``.  Returns ``s0 - 1``, the next step to
+    process.
 
     With ``S = T^T G T + sym(Pf_bar_out)`` (G = sym(P'_bar)) the gain terms of the generic step
     cancel up to the jitter's: ``K_bar = -S M - 2 j S K + a_f_bar v^T`` and
@@ -315,24 +342,25 @@ def _steady_adjoint_run(t, y, system, options, ap, Pp, cot, grad, abar, Pbar, Gr
     the sums.  Short stretches, a closed loop without that decay, or a jitter whose ``j^2`` term is
     not small (:func:`_steady_window`) run the recursion on every step.
     """
+    y, Pp, Pbar = tape.y, tape.P, state.Pbar
     p = y.shape[1]
-    m = ap.shape[1]
+    m = Pp.shape[1]
     s0 = t
     while s0 >= 0 and fully_observed(y, s0, options) and _row_same(Pp, s0, cache.P):
         s0 -= 1
     s0 += 1
     window = _steady_window(cache, t - s0 + 1)
     exact = window == 0  # full recursion on every step, Gs summed directly
+    stretch = _Stretch(t, s0, window)
     sw, sw_own = _steady_work(m, p)
     sums = _SteadySums(np.zeros((m, m)), np.zeros((m, m)), np.zeros((p, p)), np.zeros((m, p)))
     E = np.empty((m, m))  # sym(covariance cotangent entering the stretch)
     sym_into(Pbar, E)
-    Tt, Zt = system.T[0], system.Z[0]
-    _steady_reverse_steps(t, s0, window, y, system, ap, cot, grad, abar, Pbar, cache, sw, sums)
+    _steady_reverse_steps(stretch, tape, system, cot, grad, state, cache, sw, sums)
     if not exact:
-        G = _steady_lyapunov_rhs(t, s0, Zt, cache, cot, E, Pbar, sw, sums)
+        G = _steady_lyapunov_rhs(stretch, system.Z[0], cache, cot, E, Pbar, sw, sums)
         copy_into(_steady_gs(cache, G), sums.Gs)
-    _steady_flush(Tt, Zt, cache, sums, grad.system.T[0], grad.system.Z[0], grad.system.H[0], Grq, sx)
+    _steady_flush(system, grad.system, cache, sums, state.Grq, sx)
     keep_alive(sw_own)
     return s0 - 1
 
@@ -353,14 +381,17 @@ def _steady_work(m, p):
 
 
 @numba.njit(cache=True, inline="always")
-def _steady_reverse_steps(t, s0, window, y, system, ap, cot, grad, abar, Pbar, cache, sw, sums):
-    """Steps t, ..., s0 of :func:`_steady_adjoint_run`: on every step the mean path and the sums
-    (recompute ``v``, ``w = F^{-1} v``, ``a_f = a + K v``; reverse ``a' = T a_f + c``, the likelihood
-    and ``v = y - d - Z a``; ``abar``: cotangent of ``a_{s+1}`` in, of ``a_s`` out), on the steps of
-    the window (all when ``window = 0``) the covariance recursion (:func:`_steady_cov_step`).
+def _steady_reverse_steps(stretch, tape, system, cot, grad, state, cache, sw, sums):
+    """Steps t, ..., s0 of :func:`_steady_adjoint_run` (``stretch``: :class:`_Stretch`): on every step the
+    mean path and the sums (recompute ``v``, ``w = F^{-1} v``, ``a_f = a + K v``; reverse ``a' = T a_f + c``,
+    the likelihood and ``v = y - d - Z a``; ``state.abar``: cotangent of ``a_{s+1}`` in, of ``a_s`` out), on
+    the steps of the window (all when ``window = 0``) the covariance recursion (:func:`_steady_cov_step`).
 
     One function on purpose: the arrays are unpacked before the loop, so that a step binds none (a
     per-step helper taking the NamedTuples would incref/decref their ~40 arrays on every call)."""
+    t, s0, window = stretch
+    y, ap = tape.y, tape.a
+    abar, Pbar = state.abar, state.Pbar
     p = y.shape[1]
     m = ap.shape[1]
     exact = window == 0
@@ -472,10 +503,11 @@ def _steady_cov_step(s, exact, Zt, cache, has_Pf, g_Pp, Pbar, sw, Gs):
 
 
 @numba.njit(cache=True, inline="always")
-def _steady_lyapunov_rhs(t, s0, Zt, cache, cot, E, Pbar, sw, sums):
+def _steady_lyapunov_rhs(stretch, Zt, cache, cot, E, Pbar, sw, sums):
     """The right-hand side ``sum C + E - P_bar_s0`` of ``Gs = Phi(Gs) + (sum C + E - P_bar_s0)``, with
     ``sum C = Z^T Xs Z + sym(Ms Z) + Aj^T Ss Aj - j^2 N^T Ss N + Cs``, ``Cs`` the sum of
     sym(cotangent of predicted_cov[s]) over the stretch ``s = t, ..., s0``."""
+    t, s0 = stretch.t, stretch.s0
     p, m = sw.W2.shape
     W2, S, Ms = sw.W2, sw.S, sums.Ms
     Cs = np.zeros((m, m))
@@ -500,13 +532,15 @@ def _steady_lyapunov_rhs(t, s0, Zt, cache, cot, E, Pbar, sw, sums):
 
 
 @numba.njit(cache=True, inline="always")
-def _steady_flush(Tt, Zt, cache, sums, gT, gZ, gH, Grq, sx):
+def _steady_flush(system, gsystem, cache, sums, Grq, sx):
     """Add the covariance-path parameter cotangents of a steady stretch (the sums of
-    :func:`_steady_adjoint_run`): the predict reverse with ``G = Gs`` (its R/Q part through
-    ``Grq += Gs``, applied once by the caller); with ``S = T^T Gs T + Ss``:
+    :func:`_steady_adjoint_run`) to ``gsystem`` (static: row 0): the predict reverse with ``G = Gs`` (its
+    R/Q part through ``Grq += Gs``, applied once by the caller); with ``S = T^T Gs T + Ss``:
     ``Z_bar -= K^T S Aj (P + P^T) + j B^T S A (P + P^T)``, ``H_bar += K^T S K + j (K^T S B + B^T S K)``;
     and ``H_bar += Xs``, ``Z_bar += Xs Z (P + P^T) + Ms^T P``.  (The generic step's terms, summed
     with the gain terms cancelled as in :func:`_steady_adjoint_run`.)"""
+    Tt, Zt = system.T[0], system.Z[0]
+    gT, gZ, gH = gsystem.T[0], gsystem.Z[0], gsystem.H[0]
     m = Tt.shape[0]
     p = Zt.shape[0]
     Gs, Ss, Xs, Ms = sums

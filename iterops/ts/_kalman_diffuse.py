@@ -71,6 +71,30 @@ class DiffuseOutputs(NamedTuple):
     predicted_inf: np.ndarray  #: (n + 1, m, m) P_inf,t (the reverse pass's tape); row 0 = sym(P_inf)
 
 
+class _ComponentTape(NamedTuple):
+    """What the reverse of one component's update (:func:`_component_vjp`) reads of it: the outcome of
+    :func:`_component` and the state before it, with its products."""
+
+    case: int  #: _DIFFUSE or _ORDINARY
+    v: float  #: forecast error
+    F: float  #: z P z^T + h
+    Fi: float  #: F_inf = z P_inf z^T
+    a: np.ndarray  #: (m,) state before
+    P: np.ndarray  #: (m, m)
+    Pi: np.ndarray  #: (m, m) P_inf
+    M: np.ndarray  #: (m,) P z
+    Mi: np.ndarray  #: (m,) P_inf z
+
+
+class _StateCotangents(NamedTuple):
+    """Cotangents of a diffuse step's running state ``(a, P, P_inf)``, updated in place from the state
+    after an operation to the state before it."""
+
+    a: np.ndarray  #: (m,)
+    P: np.ndarray  #: (m, m)
+    Pi: np.ndarray  #: (m, m)
+
+
 @numba.njit(cache=True)
 def diffuse_outputs(n, m, p):
     """Zeroed :class:`DiffuseOutputs` of an (n, m, p) filter."""
@@ -143,11 +167,14 @@ def _component(yi, di, z, h, a, P, Pi, M, Mi):
 
 
 @numba.njit(cache=True)
-def _component_vjp(case, v, F, Fi, z, a, P, Pi, M, Mi, ll_bar, v_bar, F_bar, a_bar, P_bar, Pi_bar, gz):
-    """Reverse of :func:`_component` (``a, P, Pi, M, Mi``: the state before and its products).
-    ``a_bar, P_bar, Pi_bar``: cotangents of the state after, turned in place into those of the state
-    before; ``v_bar``, ``F_bar``: the output cotangents of ``v`` and ``F``; ``gz`` += cotangent of ``z``.
-    Returns ``(v_bar, h_bar)`` (the ``y`` cotangent is ``v_bar``, the ``d`` one ``-v_bar``)."""
+def _component_vjp(fwd, z, ll_bar, v_bar, F_bar, bar, gz):
+    """Reverse of :func:`_component` (``fwd``: :class:`_ComponentTape`, its outcome and the state before).
+    ``bar`` (:class:`_StateCotangents`): cotangents of the state after, turned in place into those of the
+    state before; ``ll_bar``, ``v_bar``, ``F_bar``: the output cotangents of ``ll``, ``v`` and ``F``;
+    ``gz`` += cotangent of ``z``.  Returns ``(v_bar, h_bar)`` (the ``y`` cotangent is ``v_bar``, the ``d``
+    one ``-v_bar``)."""
+    case, v, F, Fi, a, P, Pi, M, Mi = fwd
+    a_bar, P_bar, Pi_bar = bar
     m = a.shape[0]
     M_bar = np.zeros(m)
     Mi_bar = np.zeros(m)
@@ -239,9 +266,10 @@ def _predict(af, Pf, Pif, st, a_next, P_next, Pi_next):
 
 
 @numba.njit(cache=True)
-def _predict_vjp(af, Pf, Pif, st, gst, a_bar, P_bar, Pi_bar):
-    """Reverse of :func:`_predict`: in place, ``a_bar, P_bar, Pi_bar`` of the next prediction become those
-    of ``a_f, P_f, P_inf,f``; system cotangents accumulate into ``gst``."""
+def _predict_vjp(af, Pf, Pif, st, gst, bar):
+    """Reverse of :func:`_predict`: in place, ``bar`` (:class:`_StateCotangents`) of the next prediction
+    becomes that of ``a_f, P_f, P_inf,f``; system cotangents accumulate into ``gst``."""
+    a_bar, P_bar, Pi_bar = bar
     Tt, Rt, Qt = st.T, st.R, st.Q
     Qs = 0.5 * (Qt + Qt.T)
     # T_bar += a_bar af^T + P_bar T Pf^T + P_bar^T T Pf + (same for P_inf)
@@ -383,6 +411,7 @@ def diffuse_adjoint(y, system, options, tape, d, cot, a_bar, P_bar, grad):
     n, p = y.shape
     m = a_bar.shape[0]
     Pi_bar = np.zeros((m, m))
+    bar = _StateCotangents(a_bar, P_bar, Pi_bar)
     a = np.empty(m)
     P = np.empty((m, m))
     Pi = np.empty((m, m))
@@ -425,7 +454,7 @@ def diffuse_adjoint(y, system, options, tape, d, cot, a_bar, P_bar, grad):
         else:
             a_bar_f = np.zeros(m)
         Pi_f = Pi.copy()
-        _predict_vjp(a, P, Pi_f, st, gst, a_bar, P_bar, Pi_bar)
+        _predict_vjp(a, P, Pi_f, st, gst, bar)
         a_bar += a_bar_f
         if cot.filtered_cov.shape[0] > 0:
             P_bar += cot.filtered_cov[t]
@@ -436,10 +465,8 @@ def diffuse_adjoint(y, system, options, tape, d, cot, a_bar, P_bar, grad):
                 continue
             v_out = cot.forecast_error[t, i] if sequential and cot.forecast_error.shape[0] > 0 else 0.0
             F_out = cot.forecast_error_cov[t, i, i] if sequential and cot.forecast_error_cov.shape[0] > 0 else 0.0
-            v_bar, h_bar = _component_vjp(
-                cases[i], vs[i], Fs[i], Fis[i], st.Z[i], A[i], PP[i], PPi[i], Ma[i], Mia[i], ll_bar, v_out,
-                F_out, a_bar, P_bar, Pi_bar, gst.Z[i],
-            )
+            fwd = _ComponentTape(cases[i], vs[i], Fs[i], Fis[i], A[i], PP[i], PPi[i], Ma[i], Mia[i])
+            v_bar, h_bar = _component_vjp(fwd, st.Z[i], ll_bar, v_out, F_out, bar, gst.Z[i])
             grad.y[t, i] += v_bar
             gst.d[i] -= v_bar
             gst.H[i, i] += h_bar
