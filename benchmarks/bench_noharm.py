@@ -27,6 +27,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
+from pytensor.assumptions import assume
 from pytensor.compile.mode import get_mode
 from pytensor.graph.fg import FunctionGraph
 from pytensor.scan.op import Scan
@@ -108,7 +109,8 @@ def kalman_textbook(m=3, p=2, n=100):
     y, a0, P0, T, Z, R, H, Q = (pt.tensor(k, shape=s) for k, s in (
         ("y", (n, p)), ("a0", (m,)), ("P0", (m, m)), ("T", (m, m)), ("Z", (p, m)), ("R", (m, m)), ("H", (p, p)),
         ("Q", (m, m))))
-    ll = rl.kalman_textbook_loop(y, a0, P0, T, Z, R, H, Q)[0].sum()
+    spd = dict(symmetric=True, positive_definite=True)  # declared: the fused filter needs them (see iterops.explain)
+    ll = rl.kalman_textbook_loop(y, a0, assume(P0, **spd), T, Z, R, assume(H, **spd), assume(Q, **spd))[0].sum()
     rng = np.random.default_rng(3)
     vals = [rng.standard_normal((n, p)), np.zeros(m), np.eye(m), 0.5 * np.eye(m), rng.standard_normal((p, m)),
             np.eye(m), np.eye(p), 0.1 * np.eye(m)]

@@ -250,3 +250,56 @@ def test_matcher_raises_nothing(monkeypatch, build):
         name, why = rejections[0]
         assert name == "lyapunov_fixed_point" and why.score > 1
         assert str(why).startswith("the step differs from the reference: expected MatrixTranspose")
+
+
+def _pmx_filter_grad(kind, m=2, p=1, r=1, n=8):
+    """pymc-extras' ConvergentFilter / UnivariateFilter log-likelihood and its gradient in every matrix (small)."""
+    from pymc_extras.statespace.filters import ConvergentFilter, UnivariateFilter
+
+    shapes = dict(data=(n, p), a0=(m,), P0=(m, m), c=(m,), d=(p,), T=(m, m), Z=(p, m), R=(m, r), H=(p, p), Q=(r, r))
+    ins = [pt.tensor(k, shape=s) for k, s in shapes.items()]
+    cls = {"convergent": ConvergentFilter, "univariate": UnivariateFilter}[kind]
+    loss = cls().build_graph(*ins)[-1].sum()
+    return ins, [loss, *pt.grad(loss, ins[1:])]
+
+
+def _rewritten(ins, outs, iterops):
+    """The graph ``pytensor.function`` would compile in NUMBA mode (rewritten, not linked)."""
+    from pytensor.compile.maker import FunctionMaker, construct_function_ins_and_outs
+
+    mode = get_mode("NUMBA") if iterops else get_mode("NUMBA").excluding("iterops")
+    i, o = construct_function_ins_and_outs(ins, outs)
+    return FunctionMaker(i, o, mode, on_unused_input="ignore").fgraph
+
+
+def _graph_ops(fgraph) -> Counter:
+    """Op class names in ``fgraph`` and, recursively, in its Scans' inner graphs."""
+    ops = Counter()
+    for n in fgraph.apply_nodes:
+        ops[type(n.op).__name__] += 1
+        if isinstance(n.op, Scan):
+            ops += _graph_ops(n.op.fgraph)
+    return ops
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["convergent", "univariate"])
+def test_pymc_extras_filter_gradients_compile_as_without_iterops(kind, monkeypatch):
+    """pymc-extras' convergent and univariate filters with their gradients, graphs iterops does not fuse: with
+    iterops the rewritten graph holds the same Ops (outer and every Scan's inner graph) as PyTensor's alone, and
+    neither the mit-mot nor the reversed-tail rewrite fires (the gradient Scans' steps are too large)."""
+    from iterops.scan_grad import scan_mit_mot_to_sit_sot, scan_reversed_tail
+
+    fired = Counter()
+    for rewriter in (scan_mit_mot_to_sit_sot, scan_reversed_tail):
+
+        def counted(fgraph, node, _original=rewriter.fn, _name=str(rewriter)):
+            out = _original(fgraph, node)
+            fired[_name] += bool(out)
+            return out
+
+        monkeypatch.setattr(rewriter, "fn", counted)
+    on = _rewritten(*_pmx_filter_grad(kind), iterops=True)
+    off = _rewritten(*_pmx_filter_grad(kind), iterops=False)
+    assert sum(fired.values()) == 0
+    assert _graph_ops(on) == _graph_ops(off)
