@@ -5,7 +5,10 @@
 default (NUMBA) mode twice per repeat, with the rewrites on and with
 ``mode.excluding("iterops")`` (best of ``repeat``, alternating, warm on-disk caches);
 then each compiled function is timed.  Graphs iterops leaves alone should compile
-within 10% and run as fast; the fused ones are listed for contrast.
+within 10% and run as fast; the fused ones are listed for contrast.  Beside the
+times: the rewrites applied while compiling (``FunctionGraph.replace`` calls, inner
+graphs included; how many by iterops) and the compiled graph's size (outer nodes plus
+the nodes of Scans' inner graphs).
 
 Graphs: PyTensor's scan examples (``TestPushOutAddScan::test_machine_translation``'s
 GRU-style recurrence and its gradient, a cumulative product with its gradient, a
@@ -18,11 +21,16 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections import Counter
+from contextlib import contextmanager
 
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
+from pytensor.assumptions import assume
 from pytensor.compile.mode import get_mode
+from pytensor.graph.fg import FunctionGraph
+from pytensor.scan.op import Scan
 from pytensor.tensor.math import sigmoid, tanh
 
 from benchmarks._harness import Section, Target, best_time, ms
@@ -101,7 +109,8 @@ def kalman_textbook(m=3, p=2, n=100):
     y, a0, P0, T, Z, R, H, Q = (pt.tensor(k, shape=s) for k, s in (
         ("y", (n, p)), ("a0", (m,)), ("P0", (m, m)), ("T", (m, m)), ("Z", (p, m)), ("R", (m, m)), ("H", (p, p)),
         ("Q", (m, m))))
-    ll = rl.kalman_textbook_loop(y, a0, P0, T, Z, R, H, Q)[0].sum()
+    spd = dict(symmetric=True, positive_definite=True)  # declared: the fused filter needs them (see iterops.explain)
+    ll = rl.kalman_textbook_loop(y, a0, assume(P0, **spd), T, Z, R, assume(H, **spd), assume(Q, **spd))[0].sum()
     rng = np.random.default_rng(3)
     vals = [rng.standard_normal((n, p)), np.zeros(m), np.eye(m), 0.5 * np.eye(m), rng.standard_normal((p, m)),
             np.eye(m), np.eye(p), 0.1 * np.eye(m)]
@@ -112,18 +121,52 @@ UNFUSED = [machine_translation, cumprod_grad, random_walk, convergent_filter, un
 FUSED = [lyapunov_fixed_point, kalman_textbook]
 
 
+def _iterops_rewriters() -> set:
+    """The rewriters :mod:`iterops.rewrites` registers (what ``FunctionGraph.replace`` gets as ``reason``)."""
+    from iterops.fusion.rewrite import fuse_scan  # noqa: PLC0415
+    from iterops.linalg.lyapunov_iteration import share_fixed_point_trace  # noqa: PLC0415
+    from iterops.scan_grad import scan_mit_mot_to_sit_sot, scan_reversed_tail  # noqa: PLC0415
+    from iterops.ts.kalman import kalman_unused_forecast_cov  # noqa: PLC0415
+
+    return {fuse_scan, share_fixed_point_trace, scan_mit_mot_to_sit_sot, scan_reversed_tail,
+            kalman_unused_forecast_cov, "iterops_explain"}
+
+
+@contextmanager
+def counting_rewrites():
+    """Count ``FunctionGraph.replace`` calls (one per variable a rewrite replaces), by iterops or not."""
+    counts, ours, original = Counter(), _iterops_rewriters(), FunctionGraph.replace
+
+    def replace(self, var, new_var, reason=None, **kwargs):
+        counts["iterops" if reason in ours else "other"] += 1
+        return original(self, var, new_var, reason=reason, **kwargs)
+
+    FunctionGraph.replace = replace
+    try:
+        yield counts
+    finally:
+        FunctionGraph.replace = original
+
+
+def graph_size(fgraph) -> int:
+    """Nodes of ``fgraph`` plus those of every Scan's inner graph (recursively)."""
+    return sum(1 + (graph_size(n.op.fgraph) if isinstance(n.op, Scan) else 0) for n in fgraph.apply_nodes)
+
+
 def compile_both(build, repeat):
-    """Best-of-``repeat`` compile seconds with the iterops rewrites on and off, and the two functions."""
+    """Best-of-``repeat`` compile seconds with the iterops rewrites on and off, the two functions, and the
+    rewrites applied in the last compile of each (``Counter`` with keys ``"iterops"`` and ``"other"``)."""
     best = {True: float("inf"), False: float("inf")}
-    fns = {}
+    fns, rewrites = {}, {}
     for _ in range(repeat):
         for on in (False, True):
             ins, outs, vals = build()
             mode = get_mode("NUMBA") if on else get_mode("NUMBA").excluding("iterops")
-            t0 = time.perf_counter()
-            fns[on] = pytensor.function(ins, outs, mode=mode, on_unused_input="ignore")
-            best[on] = min(best[on], time.perf_counter() - t0)
-    return best, fns, vals
+            with counting_rewrites() as rewrites[on]:
+                t0 = time.perf_counter()
+                fns[on] = pytensor.function(ins, outs, mode=mode, on_unused_input="ignore")
+                best[on] = min(best[on], time.perf_counter() - t0)
+    return best, fns, vals, rewrites
 
 
 def run(quick: bool) -> list[Section]:
@@ -132,6 +175,7 @@ def run(quick: bool) -> list[Section]:
     sec = Section(
         title="Do no harm: compile and run time with vs without iterops' rewrites (NUMBA, warm caches)",
         columns=["graph", "fused", "compile without (s)", "compile with (s)", "compile with/without",
+                 "rewrites without", "rewrites with (by iterops)", "nodes without", "nodes with",
                  "run without (ms)", "run with (ms)", "run with/without"],
         notes=("Each graph built afresh and compiled in one process, alternating `mode.excluding(\"iterops\")` "
                f"and the default mode, best of {repeat}; run time best-of-5 after a warm-up.  Targets: on graphs "
@@ -141,10 +185,12 @@ def run(quick: bool) -> list[Section]:
     )
     worst_compile, worst_run = float("inf"), float("inf")
     for build in (*UNFUSED, *FUSED):
-        (tc, fns, vals) = compile_both(build, repeat)
+        tc, fns, vals, rw = compile_both(build, repeat)
         tr = {on: best_time(fns[on], *vals, min_time=0.1, repeat=5) for on in (False, True)}
         fused = build in FUSED
+        size = {on: graph_size(fns[on].maker.fgraph) for on in (False, True)}
         sec.rows.append([build.__name__, "yes" if fused else "no", tc[False], tc[True], tc[True] / tc[False],
+                         rw[False].total(), f"{rw[True].total()} ({rw[True]['iterops']})", size[False], size[True],
                          ms(tr[False]), ms(tr[True]), tr[True] / tr[False]])
         print(sec.rows[-1], flush=True)
         if not fused:

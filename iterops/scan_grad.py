@@ -40,11 +40,21 @@ conversion.  It fires only when it is exact:
   rewrites assume a sit-sot's last row is its last step).
 
 Other mit-mots of the same Scan stay as they are; a Scan with no qualifying
-mit-mot is left untouched.  The tap-1 read is replaced by zeros in *all* inner
-outputs (its value is zero at every step).  The sit-sot starts from the default
+mit-mot is left untouched, and so is a Scan whose step has more than
+:data:`MAX_INNER_NODES` nodes (below).  The tap-1 read is replaced by zeros in
+*all* inner outputs (its value is zero at every step).  The sit-sot starts from the default
 Scan buffer built from the seed row alone (``AllocEmpty`` + row 0, see
 :func:`row_value`), so the zero tape is never allocated; if the seed row cannot
 be expressed without the tape, the tape itself is the initial buffer.
+
+Both rewrites here leave Scans with large steps alone (more than
+:data:`MAX_INNER_NODES` nodes in the inner graph, a cheap structural criterion):
+what they save is one trace's memory traffic per step; what they cost is a
+rebuilt Scan whose step PyTensor rewrites (and Numba compiles) once more, in
+proportion to the step's size.  On small steps (a scalar recurrence, a GRU's
+gradient) the saving wins; on the gradients of pymc-extras' Kalman filters
+(180-630 inner nodes) the compile costs more than the run saves (measured in
+``benchmarks/RESULTS.md``, do-no-harm section).
 
 Registration (in :mod:`iterops.rewrites`): ``optdb`` position 1.59 (after ``stabilize`` at 1.5, before
 ``scan_eqopt2`` at 1.6 and the memory rewrites at 1.605-1.62), tags
@@ -70,7 +80,7 @@ from pytensor.tensor.elemwise import Elemwise
 from pytensor.tensor.shape import SpecifyShape
 from pytensor.tensor.subtensor import IncSubtensor, Subtensor, get_constant_idx
 
-__all__ = ["nonzero_rows", "scan_mit_mot_to_sit_sot", "scan_reversed_tail"]
+__all__ = ["MAX_INNER_NODES", "nonzero_rows", "scan_mit_mot_to_sit_sot", "scan_reversed_tail"]
 
 
 # ---------------------------------------------------------------------------
@@ -457,10 +467,10 @@ def _tape_is_seed_only(buffer, n_steps) -> bool:
 
 @node_rewriter([Scan])
 def scan_mit_mot_to_sit_sot(fgraph, node):
-    """Turn seed-only mit-mot tapes of a (gradient) Scan into sit-sot states."""
+    """Turn seed-only mit-mot tapes of a (gradient) Scan with a small step into sit-sot states."""
     op = node.op
     info = op.info
-    if info.n_mit_mot == 0:
+    if info.n_mit_mot == 0 or not _small_step(op):
         return None
     n_steps = node.inputs[0]
     outer_mit_mot = op.outer_mitmot(node.inputs)
@@ -534,20 +544,31 @@ def scan_mit_mot_to_sit_sot(fgraph, node):
     return replacements
 
 
+#: the rewrites here leave a Scan alone whose inner graph has more nodes than this
+MAX_INNER_NODES = 64
+
+
+def _small_step(op) -> bool:
+    return len(op.fgraph.apply_nodes) <= MAX_INNER_NODES
+
+
 @node_rewriter([Subtensor])
 def scan_reversed_tail(fgraph, node):
-    """``xs[:-(k + 1):-1]`` -> ``xs[-k:][::-1]`` for a sit-sot output ``xs`` of a Scan.
+    """``xs[:-(k + 1):-1]`` -> ``xs[-k:][::-1]`` for a sit-sot output ``xs`` of a Scan with a small step.
 
     Both select rows ``L-1, ..., max(L-k, 0)``.  Gradients of a Scan's initial
     state read the reversed adjoint trace this way (``grad[::-1][:k]`` after
     canonicalization); the forward form ``xs[-k:]`` is what ``scan_save_mem``
     recognises to keep only ``k`` steps.  For ``k == 1`` the reversal is dropped.
+
+    Only for a Scan whose inner graph has at most :data:`MAX_INNER_NODES` nodes
+    (``scan_save_mem`` rebuilds the Scan it shrinks).
     """
     x = node.inputs[0]
     if x.owner is None or not isinstance(x.owner.op, Scan):
         return None
     scan = x.owner
-    if x not in scan.op.outer_sitsot_outs(scan.outputs):
+    if x not in scan.op.outer_sitsot_outs(scan.outputs) or not _small_step(scan.op):
         return None
     idx = get_constant_idx(node.op.idx_list, node.inputs, allow_partial=True)
     first, rest = idx[0], idx[1:]

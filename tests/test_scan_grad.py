@@ -272,3 +272,32 @@ def test_property_random_steps(grammar_functions, program, ndim, n_steps, d, see
     )
     for a, b in zip(f(*args), f0(*args), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("layers", [1, 12])
+def test_large_steps_keep_their_tape(layers, rng):
+    """A gradient Scan whose step has more than ``MAX_INNER_NODES`` nodes keeps its mit-mot tape (the rebuilt Scan
+    would be rewritten and compiled again for little gain); a small one is converted.  Same values either way
+    (NUMBA's rewrites, run by ``perform``: nothing compiled)."""
+    from pytensor.graph.traversal import applys_between
+
+    from conftest import as_run_by_python
+    from iterops.scan_grad import MAX_INNER_NODES
+
+    def step(x, W):
+        y = x
+        for _ in range(layers):
+            y = pt.tanh(W @ y) + x
+        return y
+
+    x0, W = pt.vector("x0"), pt.matrix("W")
+    xs = pytensor.scan(step, outputs_info=[x0], non_sequences=[W], n_steps=5, return_updates=False)
+    g = [pt.grad(xs[-1].sum(), x0)]
+    grad_scans = [n.op for n in applys_between([x0, W], g) if isinstance(n.op, Scan) and n.op.info.n_mit_mot]
+    assert len(grad_scans) == 1
+    big = len(grad_scans[0].fgraph.apply_nodes) > MAX_INNER_NODES
+    assert big == (layers == 12)
+    f, f0 = _pair([x0, W], g, as_run_by_python("NUMBA"))
+    assert _n_mit_mot(f0) == 1
+    assert _n_mit_mot(f) == (1 if big else 0)
+    _assert_same(f, f0, rng.normal(size=3), 0.3 * rng.normal(size=(3, 3)))

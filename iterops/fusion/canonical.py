@@ -32,10 +32,10 @@ from pytensor.configdefaults import config
 from pytensor.graph.basic import Constant, Variable
 from pytensor.graph.fg import FunctionGraph
 from pytensor.graph.rewriting.utils import rewrite_graph
+from pytensor.scalar import ScalarType
 from pytensor.graph.traversal import io_toposort
 from pytensor.scan.utils import ScanArgs
 from pytensor.tensor.basic import get_underlying_scalar_constant_value
-from pytensor.tensor.exceptions import NotScalarConstantError
 from pytensor.tensor.math import Dot
 from pytensor.tensor.type import TensorType
 
@@ -44,10 +44,13 @@ __all__ = ["constant_value", "provably_equal"]
 
 def constant_value(v):
     """The scalar value of ``v`` if it is a (folded) constant, else None."""
-    try:
-        return np.asarray(get_underlying_scalar_constant_value(v)).item()
-    except (NotScalarConstantError, TypeError, ValueError):
+    if isinstance(v, Variable) and not isinstance(v.type, TensorType | ScalarType):
+        return None  # e.g. a random generator
+    c = get_underlying_scalar_constant_value(v, raise_not_constant=False)
+    if isinstance(c, Variable):
         return None
+    c = np.asarray(c)
+    return c.item() if c.size == 1 else None
 
 
 def provably_equal(a, b) -> bool:
@@ -154,7 +157,7 @@ def _erase_static_shapes(inputs, outputs):
     new = [v.type.clone(shape=(None,) * v.type.ndim)() if getattr(v.type, "ndim", 0) else v for v in inputs]
     try:
         outs = _rebuild(inputs, outputs, new)
-    except Exception:  # noqa: BLE001  (an Op that needs its static shapes: keep them)
+    except Exception:  # noqa: BLE001  (a guard, not a verdict: an Op whose make_node needs static shapes)
         return inputs, outputs, {v: getattr(v.type, "shape", ()) for v in inputs}
     for n, v in zip(new, inputs):
         n.name = v.name

@@ -19,9 +19,11 @@ step alone):
    replacement provides (the last state, the trace, ...), static-shape
    constraints hold, and the pattern's own ``check`` accepts the match.
 
-A failed unification reports the deepest point where the graphs differ, which
+A loop that does not match gives a :class:`~iterops.fusion.registry.Rejection`
+value per pattern (no stage raises to say "no match"): for a failed
+unification, the deepest point where the graphs differ, which
 ``iterops.explain`` shows for near misses.  The names other modules use are
-importable from here: :func:`match_scan`, :class:`Match`, :class:`Reject`,
+importable from here: :func:`match_scan`, :class:`Match`, :class:`Rejection`,
 :func:`constant_value`, :func:`provably_equal`, :func:`initial_value`.
 """
 
@@ -47,8 +49,16 @@ from iterops.fusion.canonical import (  # noqa: F401  (re-exported: the matcher'
     provably_equal,
     unsupported_loop,
 )
-from iterops.fusion.registry import Pattern
-from iterops.fusion.unify import Reject, _const_equal, _parse_step_return, _describe, _is_constant, _ref_graph, _specialize, _unify_loop
+from iterops.fusion.registry import Pattern, Rejection, closest
+from iterops.fusion.unify import (
+    _const_equal,
+    _describe,
+    _is_constant,
+    _LoopUnification,
+    _parse_step_return,
+    _ref_graph,
+    _specialize,
+)
 from iterops.fusion.uses import _has_clients, _uses, initial_value
 
 #: PyTensor's Scan raises on a negative ``n_steps``; the fused Ops would run 0 steps
@@ -56,7 +66,7 @@ _NEGATIVE_STEPS = CheckAndRaise(IndexError, "Scan was asked to run for a negativ
 #: an index out of bounds when the loop ran too few steps (``out[-1:][0]`` after 0 steps, ...)
 _TOO_FEW_STEPS = CheckAndRaise(IndexError, "index out of bounds: the loop ran too few steps (e.g. 0)")
 
-__all__ = ["Match", "Reject", "match_scan", "may_match", "inner_reject", "constant_value", "provably_equal", "initial_value"]
+__all__ = ["Match", "Rejection", "match_scan", "may_match", "inner_reject", "constant_value", "provably_equal", "initial_value"]
 
 
 @dataclass
@@ -102,7 +112,7 @@ class Match:
         return value
 
 
-def match_scan(fgraph, node, patterns) -> tuple[Match | None, list[tuple[str, Reject]]]:
+def match_scan(fgraph, node, patterns) -> tuple[Match | None, list[tuple[str, Rejection]]]:
     """Match ``node`` against ``patterns``; returns (match or None, rejections).
 
     A step holding non-scalar constants is tried a second time with them
@@ -125,11 +135,10 @@ def match_scan(fgraph, node, patterns) -> tuple[Match | None, list[tuple[str, Re
         if lift and not user.liftable:
             break
         for pattern in candidates:
-            try:
-                return _match_pattern(fgraph, node, user, pattern), []
-            except Reject as err:
-                if pattern.name not in best or err.score > best[pattern.name].score:
-                    best[pattern.name] = err
+            result = _match_pattern(fgraph, node, user, pattern)
+            if isinstance(result, Match):
+                return result, []
+            best[pattern.name] = closest(best.get(pattern.name), result)
     rejections = sorted(best.items(), key=lambda pr: -pr[1].score)
     return None, rejections
 
@@ -143,11 +152,11 @@ def may_match(node, patterns) -> bool:
     return any(inner_reject(node, p) is None for p in patterns)
 
 
-#: id(Scan op) -> (op, {pattern name: Reject or None}); ops compare by their inner graphs, hence ids
+#: id(Scan op) -> (op, {pattern name: Rejection or None}); ops compare by their inner graphs, hence ids
 _INNER: OrderedDict = OrderedDict()
 
 
-def inner_reject(node, pattern: Pattern) -> Reject | None:
+def inner_reject(node, pattern: Pattern) -> Rejection | None:
     """Why no step of ``pattern`` can match ``node``'s inner graph whatever the outer graph, or None.
 
     First what the Scan op says at no cost (:func:`_static_reject`); then the
@@ -223,10 +232,11 @@ def _stop_rules(pattern: Pattern) -> frozenset:
         for step in pattern.step:
             ins = [pt.tensor(dtype=r.dtype or "float64", shape=(None,) * r.ndim, name=r.name)
                    for r in (*pattern.sequences, *pattern.states, *pattern.non_sequences)]
-            try:
-                found.add(_parse_step_return(step(*ins))[1] is not None)
-            except Reject:  # the variant cannot be built here (e.g. needs a library not imported): both
+            ret = step(*ins)
+            if isinstance(ret, Rejection):  # the variant cannot be built here (e.g. needs a library not imported)
                 found |= {True, False}
+            else:
+                found.add(_parse_step_return(ret)[1] is not None)
         _STOPS[pattern.name] = frozenset(found)
     return _STOPS[pattern.name]
 
@@ -234,30 +244,30 @@ def _stop_rules(pattern: Pattern) -> frozenset:
 _LINALG_MODULES = ("pytensor.tensor.linalg", "pytensor.tensor.nlinalg", "pytensor.tensor.slinalg")
 
 
-def _static_reject(sig: _Signature, pattern: Pattern) -> Reject | None:
+def _static_reject(sig: _Signature, pattern: Pattern) -> Rejection | None:
     """The checks of :func:`_match_pattern` that the Scan op alone decides (the same messages)."""
     if sig.unsupported:
-        return Reject(sig.unsupported, 0.0)
+        return Rejection(sig.unsupported, 0.0)
     if sig.dtype not in ("float32", "float64"):
-        return Reject("the loop has no float32/float64 state", 0.0)
+        return Rejection("the loop has no float32/float64 state", 0.0)
     if len(sig.state_ndims) < len(pattern.states) or sig.n_seqs < len(pattern.sequences):
-        return Reject(f"needs {len(pattern.states)} state(s) and {len(pattern.sequences)} sequence(s), the loop "
-                      f"has {len(sig.state_ndims)} and {sig.n_seqs}", 0.0)
+        return Rejection(f"needs {len(pattern.states)} state(s) and {len(pattern.sequences)} sequence(s), the loop "
+                         f"has {len(sig.state_ndims)} and {sig.n_seqs}", 0.0)
     # every input the step's updates read is bound to a role of the same kind (a time-varying matrix may be a
     # sequence): more sequences read than the pattern can bind cannot unify
     seq_roles = len(pattern.sequences) + sum(r.time_varying_ok for r in pattern.non_sequences)
     if sig.n_seqs_read > seq_roles:
-        return Reject(f"the step's states read {sig.n_seqs_read} sequence(s), the pattern at most {seq_roles}", 0.0)
+        return Rejection(f"the step's states read {sig.n_seqs_read} sequence(s), the pattern at most {seq_roles}", 0.0)
     stops = _stop_rules(pattern)
     if sig.as_while not in stops:
-        return (Reject("the loop has an until stop the pattern does not have", 0.5) if sig.as_while else
-                Reject("the loop has no convergence stop (until) where the pattern needs one", 0.5))
+        return (Rejection("the loop has an until stop the pattern does not have", 0.5) if sig.as_while else
+                Rejection("the loop has no convergence stop (until) where the pattern needs one", 0.5))
     have = Counter(sig.state_ndims)
     for ndim, k in Counter(r.ndim for r in pattern.states).items():
         if have[ndim] < k:
-            return Reject(f"needs {k} state(s) of ndim {ndim}, the loop has {have[ndim]}", 0.0)
+            return Rejection(f"needs {k} state(s) of ndim {ndim}, the loop has {have[ndim]}", 0.0)
     if pattern.needs_ops and not set(pattern.needs_ops) & sig.op_names and not sig.op_names & _MAY_BECOME:
-        return Reject(f"the step has none of the operations {', '.join(pattern.needs_ops)}", 0.0)
+        return Rejection(f"the step has none of the operations {', '.join(pattern.needs_ops)}", 0.0)
     return None
 
 
@@ -267,7 +277,7 @@ def _static_reject(sig: _Signature, pattern: Pattern) -> Reject | None:
 _MAY_BECOME = frozenset({"<linalg or foreign Op>"})
 
 
-def _unify_reject(node, pattern: Pattern) -> Reject | None:
+def _unify_reject(node, pattern: Pattern) -> Rejection | None:
     """Unification of the step alone (states, stop rule), unlifted and lifted constants; None if one unifies."""
     worst = None
     for lift in (False, True):
@@ -275,42 +285,48 @@ def _unify_reject(node, pattern: Pattern) -> Reject | None:
         if lift and not user.liftable:
             break
         if user.unsupported:
-            return Reject(user.unsupported, 0.0)
+            return Rejection(user.unsupported, 0.0)
         if pattern.needs_ops and not set(pattern.needs_ops) & _op_names(user):
-            err = Reject(f"the step has none of the operations {', '.join(pattern.needs_ops)}", 0.0)
-            worst = err if worst is None or err.score > worst.score else worst
+            worst = closest(worst, Rejection(f"the step has none of the operations {', '.join(pattern.needs_ops)}"))
             continue
         for variant in range(len(pattern.step)):
-            try:
-                ref = _ref_graph(pattern, variant, user.dtype)
-                next(_unify_loop(pattern, ref, user, ()))
+            ref = _ref_graph(pattern, variant, user.dtype)
+            if isinstance(ref, Rejection):
+                worst = closest(worst, ref)
+                continue
+            envs = _LoopUnification(pattern, ref, user)
+            if next(iter(envs), None) is not None:
                 return None
-            except Reject as err:
-                if worst is None or err.score > worst.score:
-                    worst = err
-            except StopIteration:  # pragma: no cover  (_unify_loop raises Reject when it yields nothing)
-                pass
+            worst = closest(worst, envs.rejection)
     return worst
 
 
-def _match_pattern(fgraph, node, user: _UserGraph, pattern: Pattern) -> Match:
+def _match_pattern(fgraph, node, user: _UserGraph, pattern: Pattern) -> Match | Rejection:
+    """The match of ``node`` with ``pattern`` (the first environment of the first variant that unifies, checked
+    against the outer graph), or the closest :class:`Rejection` over the variants."""
     # the checks the Scan op and its step decide alone were made by :func:`inner_reject`
     used_outputs = [j for j, o in enumerate(user.outer_outputs) if _has_clients(fgraph, o)]
     if pattern.outputs and len(used_outputs) > len(pattern.outputs):
-        raise Reject(f"the loop has {len(used_outputs)} used per-step outputs, the pattern at most "
-                     f"{len(pattern.outputs)}", 0.0)
+        return Rejection(f"the loop has {len(used_outputs)} used per-step outputs, the pattern at most "
+                         f"{len(pattern.outputs)}", 0.0)
     if pattern.needs_ops and not set(pattern.needs_ops) & _op_names(user):
-        raise Reject(f"the step has none of the operations {', '.join(pattern.needs_ops)}", 0.0)
+        return Rejection(f"the step has none of the operations {', '.join(pattern.needs_ops)}", 0.0)
     best = None
     for variant in range(len(pattern.step)):
-        try:
-            ref = _ref_graph(pattern, variant, user.dtype)  # a step may Reject (e.g. needs a library not imported)
-            for env in _unify_loop(pattern, ref, user, used_outputs if pattern.outputs else ()):
-                return _check_outer(fgraph, node, user, pattern, env, variant, ref)
-        except Reject as err:
-            if best is None or err.score > best.score:
-                best = err
-    raise best
+        ref = _ref_graph(pattern, variant, user.dtype)
+        if isinstance(ref, Rejection):  # the variant cannot be built here (e.g. needs a library not imported)
+            best = closest(best, ref)
+            continue
+        envs = _LoopUnification(pattern, ref, user, used_outputs if pattern.outputs else ())
+        env = next(iter(envs), None)
+        if env is None:
+            best = closest(best, envs.rejection)
+            continue
+        result = _check_outer(fgraph, node, user, pattern, env, variant, ref)
+        if isinstance(result, Match):
+            return result
+        best = closest(best, result)
+    return best
 
 
 def _op_names(user) -> set:
@@ -323,7 +339,9 @@ def _op_names(user) -> set:
     return names
 
 
-def _check_outer(fgraph, node, user, pattern, env, variant, ref) -> Match:
+def _check_outer(fgraph, node, user, pattern, env, variant, ref) -> Match | Rejection:
+    """The :class:`Match` of the unified ``env`` if the outer graph allows the replacement (static-shape
+    constraints, the uses of every output, the pattern's ``check``), else the :class:`Rejection` saying why."""
     a = user.args
     inner_to_outer = {}
     for v, o in zip(a.inner_in_seqs, a.outer_in_seqs):
@@ -349,8 +367,8 @@ def _check_outer(fgraph, node, user, pattern, env, variant, ref) -> Match:
             _, role, d, c = item
             shp = static_shape(role)
             if d >= len(shp) or shp[d] != c:
-                raise Reject(f"the step uses the constant {c} where the reference uses {role}.shape[{d}], "
-                             "and the static shape does not prove them equal", 50.0)
+                return Rejection(f"the step uses the constant {c} where the reference uses {role}.shape[{d}], "
+                                 "and the static shape does not prove them equal", 50.0)
         else:
             _, r, u, roles = item
             values = {}
@@ -364,8 +382,8 @@ def _check_outer(fgraph, node, user, pattern, env, variant, ref) -> Match:
                              if _is_constant(bound) else x.type.clone(shape=static_shape(name))())
             folded = _specialize(r, roles, values) if values is not None else None
             if not (_is_constant(folded) and _const_equal(folded, u)):
-                raise Reject(f"the step uses the constant {_describe(u)} where the reference computes it from "
-                             "shapes and constants, and the static shapes do not prove them equal", 50.0)
+                return Rejection(f"the step uses the constant {_describe(u)} where the reference computes it from "
+                                 "shapes and constants, and the static shapes do not prove them equal", 50.0)
     score = 100.0
     uses, views = {}, {}
     bound_states = {env.roles[r.name]: r.name for r in pattern.states}
@@ -376,27 +394,27 @@ def _check_outer(fgraph, node, user, pattern, env, variant, ref) -> Match:
         name = bound_states.get(v)
         if name is None:
             if use:
-                raise Reject("the loop carries an extra state whose values are used outside", score)
+                return Rejection("the loop carries an extra state whose values are used outside", score)
             continue
         kinds = {k for _, k in use}
         provides = pattern.provides[name]
         if use and provides is None:
-            raise Reject(f"the state {name} is used outside the loop (the replacement only computes the others)", score)
+            return Rejection(f"the state {name} is used outside the loop (the replacement only computes the others)", score)
         if "other" in kinds:
-            raise Reject(f"{name} is used through an index, slice or shape that is not provably its final "
-                         "value (intermediate states, or the number of steps run)", score)
+            return Rejection(f"{name} is used through an index, slice or shape that is not provably its final "
+                             "value (intermediate states, or the number of steps run)", score)
         if provides == "last" and kinds - {"last", "last_nonempty", "last_row"}:
-            raise Reject(f"intermediate values of {name} (or the number of steps run) are used "
-                         "(only its final value can be replaced)", score)
+            return Rejection(f"intermediate values of {name} (or the number of steps run) are used "
+                             "(only its final value can be replaced)", score)
         uses[name] = use
     bound_outputs = {user.outer_outputs[env.roles[name]]: name for name in out_roles if name in env.roles}
     for o in user.extra_outputs:
         if o in bound_outputs:
             uses[bound_outputs[o]] = [(o, "trace")]
         elif _has_clients(fgraph, o):
-            raise Reject("the loop has extra outputs that are used outside", score)
+            return Rejection("the loop has extra outputs that are used outside", score)
     if not any(uses.values()):
-        raise Reject("no output of the loop is used", score)
+        return Rejection("no output of the loop is used", score)
     nonseq = {r.name for r in pattern.non_sequences}
     time_varying = frozenset(name for name, u in env.roles.items()
                              if name in nonseq and not _is_constant(u) and user.kind.get(u) == "seq")
@@ -406,5 +424,5 @@ def _check_outer(fgraph, node, user, pattern, env, variant, ref) -> Match:
     if pattern.check is not None:
         reason = pattern.check(m)
         if reason:
-            raise Reject(reason, score + 1)
+            return Rejection(reason, score + 1)
     return m

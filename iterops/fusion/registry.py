@@ -6,7 +6,9 @@ A :class:`Pattern` describes one loop the way a user writes it:
   calling convention ``step(*sequences, *states, *non_sequences)``, returning
   the new states (in ``states`` order) and optionally ``until(condition)``.
   Several functions are *variants* (different stop rules, a sequence instead
-  of an indexed non-sequence, ...);
+  of an indexed non-sequence, ...); a variant that cannot be built in this
+  process (it needs a library the user's graph did not import) returns a
+  :class:`Rejection` saying so instead of its outputs;
 * the *roles* of the step's arguments (names and ndims), grouped as Scan
   groups its inputs;
 * ``outputs`` (optional): per-step outputs the step returns after the states
@@ -49,7 +51,33 @@ import pytensor.tensor as pt
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
-__all__ = ["Role", "Pattern", "register_pattern", "PATTERNS", "one_of", "OneOf"]
+__all__ = ["Role", "Pattern", "Rejection", "closest", "register_pattern", "PATTERNS", "one_of", "OneOf"]
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why a Scan does not match a pattern: a value the matcher returns, never raises.
+
+    ``reason`` is what ``iterops.explain`` prints (``str(rejection)``); ``score``
+    how close the loop came, to report the closest pattern: 0-0.5 ruled out by
+    the loop's form (states, stop rule, Ops), 1 + depth the step differs from
+    the reference at that depth, 50 a static shape does not prove a constant,
+    100 and more the step matches and the loop's outer uses or the pattern's
+    ``check`` rule it out.
+    """
+
+    reason: str
+    score: float = 0.0
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def closest(best: Rejection | None, new: Rejection | None) -> Rejection | None:
+    """The rejection that came closer to a match (``best`` on a tie; None counts as the farthest)."""
+    if best is None or (new is not None and new.score > best.score):
+        return new
+    return best
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ shapes and constants, it folds to that constant;
 Per-step outputs (``outputs_info=None``) of the user's loop that are used
 outside must each unify with one of the pattern's ``outputs``.
 
-A failed unification reports the deepest point where the graphs differ, which
+A failed unification is a :class:`~iterops.fusion.registry.Rejection` value
+(nothing is raised) naming the deepest point where the graphs differ, which
 ``iterops.explain`` shows for near misses.
 """
 
@@ -53,22 +54,13 @@ from pytensor.tensor.shape import Shape, Shape_i, SpecifyShape
 from pytensor.tensor.subtensor import Subtensor
 
 from iterops.fusion.canonical import _canonicalize, _rebuild, _UserGraph
-from iterops.fusion.registry import OneOf, Pattern
+from iterops.fusion.registry import OneOf, Pattern, Rejection
 
-__all__ = ["Reject"]
+__all__ = ["Rejection"]
 
 _COMMUTATIVE = (ps.Add, ps.Mul, ps.Maximum, ps.Minimum, ps.AND, ps.OR, ps.XOR, ps.EQ, ps.NEQ)
 _ASSOCIATIVE = (ps.Add, ps.Mul, ps.Maximum, ps.Minimum, ps.AND, ps.OR, ps.XOR)
 _FLIP = {ps.GT: ps.LT, ps.GE: ps.LE}
-
-
-class Reject(Exception):
-    """A Scan does not match a pattern; ``str(err)`` says why, ``score`` how close it came."""
-
-    def __init__(self, reason: str, score: float = 0.0):
-        super().__init__(reason)
-        self.score = score
-
 
 
 # ---------------------------------------------------------------------------
@@ -89,6 +81,7 @@ _REF_CACHE: dict = {}
 
 
 def _parse_step_return(ret):
+    """``(outputs, until condition or None)`` of a step's return value."""
     cond = None
     if isinstance(ret, until):
         return [], ret.condition
@@ -127,7 +120,9 @@ def _mandatory_roles(outputs, role_of) -> set:
     return set().union(*(need(o) for o in outputs))
 
 
-def _ref_graph(pattern: Pattern, variant: int, dtype: str) -> _RefGraph:
+def _ref_graph(pattern: Pattern, variant: int, dtype: str) -> _RefGraph | Rejection:
+    """The canonical reference step of ``pattern``'s ``variant`` for ``dtype`` (cached), or the
+    :class:`Rejection` the variant returned (it cannot be built in this process)."""
     key = (pattern.name, variant, dtype)
     if key in _REF_CACHE:
         return _REF_CACHE[key]
@@ -137,7 +132,10 @@ def _ref_graph(pattern: Pattern, variant: int, dtype: str) -> _RefGraph:
             v = pt.tensor(dtype=r.dtype or dtype, shape=(None,) * r.ndim, name=r.name)
             role_of[v] = (r, kind)
             inputs.append(v)
-    outs, cond = _parse_step_return(pattern.step[variant](*inputs))
+    ret = pattern.step[variant](*inputs)
+    if isinstance(ret, Rejection):
+        return ret  # not cached: the library it needs may be imported later
+    outs, cond = _parse_step_return(ret)
     ns, no = len(pattern.states), len(pattern.outputs)
     if len(outs) != ns + no:
         raise ValueError(f"pattern {pattern.name}: step returns {len(outs)} values, expected {ns} states "
@@ -393,10 +391,9 @@ def _reshape_term(op, t):
             return t.owner.inputs[0]
     memo = _RESHAPED.setdefault(t, {})
     if op not in memo:
-        try:
-            memo[op] = op(t)
-        except Exception:  # noqa: BLE001  (e.g. a squeeze of a non-broadcastable axis)
-            memo[op] = None
+        # DimShuffle.make_node's conditions: the input's ndim, and no static length but 1 where it squeezes
+        fits = t.type.ndim == op.input_ndim and all(t.type.shape[d] in (1, None) for d in op.drop)
+        memo[op] = op(t) if fits else None
     return memo[op]
 
 
@@ -644,62 +641,69 @@ def _specialize(r, roles, values):
     return _strip(fg.outputs[0])
 
 
-def _unify_loop(pattern: Pattern, ref: _RefGraph, user: _UserGraph, used_outputs=()):
-    """Yield complete environments binding every role of ``ref`` to the user's loop.
+class _LoopUnification:
+    """The complete environments binding every role of ``ref`` to the user's loop: iterate over it.
 
     ``used_outputs``: indices of the user's per-step outputs used outside the
     loop; each must unify with one of the pattern's per-step outputs (bound as
-    ``env.roles[output role] = index``).
+    ``env.roles[output role] = index``).  After an iteration that yielded
+    nothing, ``rejection`` says why (the deepest difference found).
     """
-    un = _Unifier(ref, user)
-    state_roles = [r.name for r in pattern.states]
-    ref_upd = dict(zip(state_roles, ref.updates))
 
-    def states(i, env):
-        if i == len(state_roles):
-            yield env
+    def __init__(self, pattern: Pattern, ref: _RefGraph, user: _UserGraph, used_outputs=()):
+        self.pattern, self.ref, self.user, self.used_outputs = pattern, ref, user, tuple(used_outputs)
+        self.rejection: Rejection | None = None
+
+    def __iter__(self):
+        pattern, ref, user, used_outputs = self.pattern, self.ref, self.user, self.used_outputs
+        un = _Unifier(ref, user)
+        state_roles = [r.name for r in pattern.states]
+        ref_upd = dict(zip(state_roles, ref.updates))
+
+        def states(i, env):
+            if i == len(state_roles):
+                yield env
+                return
+            name = state_roles[i]
+            bound = env.roles.get(name)
+            cands = [bound] if bound is not None else [s for s in user.states if s not in env.users]
+            for s in cands:
+                e0 = env if bound is not None else env.bind(name, s)
+                if s.type.ndim != pattern.role(name).ndim:
+                    continue
+                for e in un.unify(ref_upd[name], user.updates[s], e0, 1):
+                    # the state's own input must be the one bound to its role
+                    if e.roles.get(name) is s:
+                        yield from states(i + 1, e)
+
+        out_roles = [r.name for r in pattern.outputs]
+
+        def outputs(i, env):
+            if i == len(used_outputs):
+                yield env
+                return
+            j = used_outputs[i]
+            for name, r_out in zip(out_roles, ref.outputs):
+                if name in env.roles:
+                    continue
+                for e in un.unify(r_out, user.outputs[j], env, 1):
+                    yield from outputs(i + 1, _Env({**e.roles, name: j}, e.users, e.pending))
+
+        env = _Env()
+        if ref.cond is not None and user.cond is None:
+            self.rejection = Rejection("the loop has no convergence stop (until) where the pattern needs one", 0.5)
             return
-        name = state_roles[i]
-        bound = env.roles.get(name)
-        cands = [bound] if bound is not None else [s for s in user.states if s not in env.users]
-        for s in cands:
-            e0 = env if bound is not None else env.bind(name, s)
-            if s.type.ndim != pattern.role(name).ndim:
-                continue
-            for e in un.unify(ref_upd[name], user.updates[s], e0, 1):
-                # the state's own input must be the one bound to its role
-                if e.roles.get(name) is s:
-                    yield from states(i + 1, e)
-
-    out_roles = [r.name for r in pattern.outputs]
-
-    def outputs(i, env):
-        if i == len(used_outputs):
-            yield env
+        if ref.cond is None and user.cond is not None:
+            self.rejection = Rejection("the loop has an until stop the pattern does not have", 0.5)
             return
-        j = used_outputs[i]
-        for name, r_out in zip(out_roles, ref.outputs):
-            if name in env.roles:
-                continue
-            for e in un.unify(r_out, user.outputs[j], env, 1):
-                yield from outputs(i + 1, _Env({**e.roles, name: j}, e.users, e.pending))
-
-    env = _Env()
-    if ref.cond is not None:
-        if user.cond is None:
-            raise Reject("the loop has no convergence stop (until) where the pattern needs one", 0.5)
-        envs = un.unify(ref.cond, user.cond, env, 1)
-    else:
-        if user.cond is not None:
-            raise Reject("the loop has an until stop the pattern does not have", 0.5)
-        envs = iter([env])
-    found = False
-    for e0 in envs:
-        for e1 in states(0, e0):
-            if any(name not in e1.roles for name in ref.used_roles):
-                continue
-            for e in outputs(0, e1):
-                found = True
-                yield e
-    if not found:
-        raise Reject(f"the step differs from the reference: {un.worst[1]}", 1.0 + un.worst[0])
+        envs = un.unify(ref.cond, user.cond, env, 1) if ref.cond is not None else [env]
+        found = False
+        for e0 in envs:
+            for e1 in states(0, e0):
+                if any(name not in e1.roles for name in ref.used_roles):
+                    continue
+                for e in outputs(0, e1):
+                    found = True
+                    yield e
+        if not found:
+            self.rejection = Rejection(f"the step differs from the reference: {un.worst[1]}", 1.0 + un.worst[0])

@@ -142,7 +142,7 @@ import numpy as np
 import pytensor.tensor as pt
 from pytensor.raise_op import CheckAndRaise
 
-from iterops.fusion.matcher import Reject, constant_value
+from iterops.fusion.matcher import Rejection, constant_value
 from iterops.fusion.patterns._common import strip_leading_slices
 from iterops.fusion.proofs import is_psd, is_symmetric
 from iterops.fusion.registry import OneOf, Pattern, Role, one_of, register_pattern
@@ -374,12 +374,10 @@ def _textbook_update(y, a, P, d, Z, H, log2pi_p, half_log2pi_p, variant):
 def _mvn_loglik(v, y, y_hat, F):
     """``pm.logp(pm.MvNormal.dist(...), ...)`` of the innovation (mean 0) or of ``y`` (mean ``Z a (+ d)``).
 
-    Only when PyMC is already imported (a user graph calling ``pm.logp`` imported it): matching never
-    imports PyMC.
+    Only when PyMC is already imported (a user graph calling ``pm.logp`` imported it; the steps check
+    :func:`_needs_pymc`): matching never imports PyMC.
     """
-    pm = sys.modules.get("pymc")
-    if pm is None:
-        raise Reject("PyMC is not imported (no pm.logp in the loop)")
+    pm = sys.modules["pymc"]
     mvn = pm.MvNormal.dist
     return one_of(
         pm.logp(mvn(mu=pt.zeros_like(v), cov=F), v),
@@ -395,10 +393,19 @@ def _textbook_predict(a_f, P_f, c, T, R, Q, intercepts):
     return a_next, T @ P_f @ T.T + R @ Q @ R.T
 
 
+def _needs_pymc(variant) -> Rejection | None:
+    """Why the step ``variant`` cannot be built: its log-likelihood is ``pm.logp`` and PyMC is not imported."""
+    if variant[2] and "pymc" not in sys.modules:
+        return Rejection("PyMC is not imported (no pm.logp in the loop)")
+    return None
+
+
 def _textbook_step(variant):
     """Update, then predict: the states are the predictions ``(a_t, P_t)``."""
 
     def step(y, a, P, c, d, T, Z, R, H, Q, log2pi_p, half_log2pi_p):
+        if (why := _needs_pymc(variant)) is not None:
+            return why
         a_f, P_f, ll = _textbook_update(y, a, P, d, Z, H, log2pi_p, half_log2pi_p, variant)
         a_next, P_next = _textbook_predict(a_f, P_f, c, T, R, Q, variant[1])
         return a_next, P_next, ll
@@ -410,6 +417,8 @@ def _filtered_step(variant):
     """Predict, then update: the states are the filtered ``(a_{t|t}, P_{t|t})``."""
 
     def step(y, a, P, c, d, T, Z, R, H, Q, log2pi_p, half_log2pi_p):
+        if (why := _needs_pymc(variant)) is not None:
+            return why
         a_p, P_p = _textbook_predict(a, P, c, T, R, Q, variant[1])
         return _textbook_update(y, a_p, P_p, d, Z, H, log2pi_p, half_log2pi_p, variant)
 
