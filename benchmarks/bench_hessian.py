@@ -45,7 +45,7 @@ def _compile(model, impl):
 
 def run(quick: bool) -> list[Section]:
     warnings.simplefilter("ignore")
-    sizes = [10] if quick else [10, 30]
+    sizes = [10] if quick else [20]
     sec = Section(
         title="Hessian of a pymc-extras structural model's logp: fused Kalman filter vs Scan",
         columns=["n obs", "parameters", "implementation", "compile (s)", "Hessian (ms)", "max |H - H_scan|",

@@ -576,8 +576,9 @@ def lattice_graph(fn, x, nlags=-1):
 
 
 def lattice_scan(fn, x, nlags=-1):
-    """:func:`lattice_graph` for a core vector ``x`` (p,) of symbolic length: the same recursions as
-    ``pytensor.scan`` loops over the order, on zero-padded (p,) levels."""
+    """:func:`lattice_graph` for a core vector ``x`` (p,) of symbolic length: the step-up / step-down
+    recursions as ``pytensor.scan`` loops over the order, on zero-padded (p,) levels; the autocovariances
+    unrolled over the static ``nlags``."""
     p = x.shape[0]
     j = pt.arange(p)
     if fn == "pacf_to_ar":
@@ -587,25 +588,23 @@ def lattice_scan(fn, x, nlags=-1):
         return pytensor.scan(up, sequences=[pt.arange(1, p + 1), x], outputs_info=[pt.zeros_like(x)],
                              return_updates=False)[-1]
 
-    def down(k, phi):  # level k - 1 from level k, and kappa_k
+    def down(k, phi):  # level k - 1 from level k (kappa_k = phi_{k,k})
         kap = phi[k - 1]
-        return pt.where(j < k - 1, (phi + kap * phi[pt.maximum(k - 2 - j, 0)]) / (1.0 - kap * kap), 0.0), kap
+        return pt.where(j < k - 1, (phi + kap * phi[pt.maximum(k - 2 - j, 0)]) / (1.0 - kap * kap), 0.0)
 
-    lower, kaps = pytensor.scan(down, sequences=[pt.arange(p, 0, -1)], outputs_info=[x, None], return_updates=False)
-    if fn == "ar_to_pacf":
-        return kaps[::-1]
+    lower = pytensor.scan(down, sequences=[pt.arange(p, 0, -1)], outputs_info=[x], return_updates=False)
     levels = pt.concatenate([lower[::-1][1:], x[None]], axis=0)  # levels[q - 1]: phi_{q,.}, q = 1..p
+    kaps = pt.diagonal(levels)  # kappa_q = phi_{q,q}
+    if fn == "ar_to_pacf":
+        return kaps
 
-    def acov(m, gam):  # gamma_m = sum_{i <= q} phi_{q,i} gamma_{m-i}, q = min(m, p); gam holds gamma_0..gamma_{m-1}
-        i = j + 1
-        terms = levels[pt.minimum(m, p) - 1] * gam[pt.maximum(m - i, 0)]
-        return pt.set_subtensor(gam[m], pt.sum(pt.where(i <= m, terms, 0.0)))
-
-    gam0 = pt.zeros(nlags + 1, dtype=x.dtype)
-    gam0 = pt.set_subtensor(gam0[0], 1.0 / pt.prod(1.0 - kaps * kaps))
-    if nlags == 0:
-        return gam0
-    return pytensor.scan(acov, sequences=[pt.arange(1, nlags + 1)], outputs_info=[gam0], return_updates=False)[-1]
+    # gamma_m = sum_{i <= q} phi_{q,i} gamma_{m-i}, q = min(m, p): unrolled over the static nlags
+    i = j + 1
+    gam = [1.0 / pt.prod(1.0 - kaps * kaps, no_zeros_in_input=True)]  # non-zero where stationary
+    for m in range(1, nlags + 1):
+        terms = levels[pt.minimum(m, p) - 1] * pt.stack(gam)[pt.clip(m - i, 0, m - 1)]
+        gam.append(pt.sum(pt.where(i <= m, terms, 0.0)))
+    return pt.stack(gam)
 
 
 def _second_order(fn, x, a, b, nlags):
