@@ -25,7 +25,8 @@ from iterops import reference_loops as ref
 from iterops import ts
 
 RUN = as_run_by_python("NUMBA")
-N_SCANS = 99  # placeholder
+#: Scans in a Kalman Hessian-vector product: the filter's Scan, its gradient Scan and their reverse
+N_SCANS = 4
 
 
 def _hessian_and_fd(cost_fn, x0, eps=1e-5, mode=RUN, static=True):
@@ -275,8 +276,8 @@ def test_batched_kalman_hessian_matches_finite_differences(rng):
 
 
 def test_kalman_hessian_vector_product_is_a_few_filter_passes(rng):
-    """``hessian_vector_product`` (reverse mode twice): one filter, one adjoint and the Scans of one
-    reverse-twice pass, whatever the number of parameters (not one pass per parameter, as a Hessian's
+    """``hessian_vector_product`` (reverse mode twice): one filter, at most two adjoint Ops and the Scans of
+    one reverse-twice pass, whatever the number of parameters (not one pass per parameter, as a Hessian's
     Jacobian Scan); equal to central differences of the gradient along ``v``."""
     y = rng.normal(size=(12, 2))
     th, v = pt.vector("th", shape=(9,)), pt.vector("v", shape=(9,))
@@ -284,9 +285,7 @@ def test_kalman_hessian_vector_product_is_a_few_filter_passes(rng):
     g = pytensor.grad(cost, th)
     f = pytensor.function([th, v], hessian_vector_product(cost, th, v), mode=RUN)
     ops = Counter(type(n.op).__name__ for n in f.maker.fgraph.apply_nodes)
-    print(ops)
-    assert ops["KalmanFilter"] == 1 and ops["KalmanFilterGrad"] == 1, ops
-    assert ops["Scan"] <= N_SCANS, ops
+    assert ops["KalmanFilter"] == 1 and ops["KalmanFilterGrad"] <= 2 and ops["Scan"] <= N_SCANS, ops
     fg = pytensor.function([th], g, mode=RUN)
     v0, eps = rng.normal(size=9), 1e-5
     fd = (fg(KALMAN_X0 + eps * v0) - fg(KALMAN_X0 - eps * v0)) / (2 * eps)
