@@ -5,7 +5,6 @@ import pickle
 
 import numpy as np
 import pytensor
-from pytensor.gradient import NullTypeGradError
 import pytensor.tensor as pt
 import pytest
 from hypothesis import given
@@ -166,15 +165,6 @@ def test_pacf_to_ar_grad_matches_scan_autodiff(near_one, rng):
     np.testing.assert_allclose(v, v_ref, rtol=1e-12)
     assert np.all(np.isfinite(g))
     np.testing.assert_allclose(g, g_ref, rtol=1e-10, atol=1e-12)
-
-
-def test_second_derivatives_of_a_symbolic_order_raise_clearly():
-    x = pt.vector("x")  # p unknown at graph build: the unrolled second-order graph cannot be built
-    g = pytensor.grad(pacf_to_ar(x).sum(), x)
-    # PyTensor reports a missing derivative that is used as NullTypeGradError; the message says what is missing
-    # (raised lazily, so a pushforward through the pullback, which needs only the linear part, still works)
-    with pytest.raises(NullTypeGradError, match="Second derivatives of pacf_to_ar need a static order p"):
-        pytensor.grad(g.sum(), x)
 
 
 def test_lattice_bad_input():

@@ -1,19 +1,23 @@
-"""Second derivatives through iterops' Ops: ``pytensor.hessian`` (reverse mode twice).
+"""Second derivatives through iterops' Ops: ``pytensor.hessian`` (reverse mode twice), Hessian-vector
+products, JAX, and pymc-extras' Laplace family on iterops models.
 
 Oracles: central finite differences of the fused (first-order) gradient, itself checked against
 statsmodels / Scan autodiff elsewhere; for a user's loop fused by the Scan rewrite, PyTensor's
-second derivatives of that Scan (``SCAN_ORACLE``).  Where second derivatives are not implemented,
+second derivatives of that Scan (``SCAN_ORACLE``); for pymc-extras' ``find_MAP`` / ``fit_laplace``,
+the same model on its Scan with the rewrite off.  Where second derivatives are not implemented,
 the error is a ``NotImplementedError`` naming the Op, the inputs and the order.
 
 Graphs are run by ``perform`` (``as_run_by_python``): the same fused kernels, without the minutes a
 cold Numba compile of a doubly differentiated Scan costs.
 """
 
+from collections import Counter
+
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from pytensor.gradient import jacobian
+from pytensor.gradient import hessian_vector_product, jacobian
 
 import iterops
 from conftest import SCAN_ORACLE, as_run_by_python, first_then_slow, random_ar, random_pacf
@@ -21,11 +25,14 @@ from iterops import reference_loops as ref
 from iterops import ts
 
 RUN = as_run_by_python("NUMBA")
+#: Scans in a Kalman Hessian-vector product: the filter's Scan, its gradient Scan and their reverse
+N_SCANS = 4
 
 
-def _hessian_and_fd(cost_fn, x0, eps=1e-5, mode=RUN):
-    """(Hessian of ``cost_fn`` at ``x0`` by reverse mode twice, central differences of the gradient)."""
-    th = pt.vector("th", shape=(len(x0),))
+def _hessian_and_fd(cost_fn, x0, eps=1e-5, mode=RUN, static=True):
+    """(Hessian of ``cost_fn`` at ``x0`` by reverse mode twice, central differences of the gradient);
+    ``static=False``: the parameter vector's length is symbolic."""
+    th = pt.vector("th", shape=(len(x0) if static else None,))
     cost = cost_fn(th)
     g = pytensor.grad(cost, th)
     fg = pytensor.function([th], g, mode=mode)
@@ -34,12 +41,101 @@ def _hessian_and_fd(cost_fn, x0, eps=1e-5, mode=RUN):
     return H, fd
 
 
-def _assert_hessian(cost_fn, x0, rtol=1e-6):
-    H, fd = _hessian_and_fd(cost_fn, x0)
+def _assert_hessian(cost_fn, x0, rtol=1e-6, static=True):
+    H, fd = _hessian_and_fd(cost_fn, x0, static=static)
     scale = np.max(np.abs(fd))
     np.testing.assert_allclose(H, fd, rtol=0, atol=rtol * max(scale, 1.0))
     np.testing.assert_allclose(H, H.T, rtol=0, atol=1e-9 * max(scale, 1.0))
     return H
+
+
+# ---------------------------------------------------------------------------
+# Every public Op: Hessian of a cost of its outputs = finite differences of its gradient
+# ---------------------------------------------------------------------------
+
+A0 = np.array([[0.5, 0.1], [-0.2, 0.3]])
+Q0 = np.array([[1.0, 0.2], [0.2, 0.5]])
+X_LYAP = np.r_[A0.ravel(), Q0.ravel()]
+
+
+def _mats(x):
+    return x[:4].reshape((2, 2)), x[4:8].reshape((2, 2))
+
+
+def _dare(x):
+    A, B = x[:4].reshape((2, 2)), x[4:6].reshape((2, 1))
+    return pt.sum(iterops.linalg.solve_discrete_are(A, B, pt.eye(2) * x[6], pt.reshape(x[7] ** 2, (1, 1))) ** 2)
+
+
+def _lyapunov_batched(x):
+    A, Q = _mats(x)
+    return pt.sum(iterops.solve_discrete_lyapunov(pt.stack([A, 0.5 * A]), Q) ** 2)  # Blockwise over A's rows
+
+
+def _stationary_cov(x):
+    R = pt.as_tensor([[1.0], [0.5]])
+    return pt.sum(ts.stationary_cov(x[:4].reshape((2, 2)), R, pt.reshape(x[4] ** 2, (1, 1))) ** 2)
+
+
+def _yule_walker(x):
+    phi, sigma2 = ts.yule_walker(x, 3)
+    return pt.sum(phi**3) + sigma2**2
+
+
+OPS = {
+    "solve_discrete_lyapunov": (lambda x: pt.sum(iterops.solve_discrete_lyapunov(*_mats(x)) ** 2), X_LYAP),
+    "solve_discrete_lyapunov schur": (
+        lambda x: pt.sum(iterops.solve_discrete_lyapunov(*_mats(x), method="schur") ** 2), X_LYAP),
+    "solve_discrete_lyapunov batched": (_lyapunov_batched, X_LYAP),
+    "solve_discrete_are": (_dare, np.r_[A0.ravel(), 1.0, 0.5, 1.2, 0.8]),
+    "stationary_cov": (_stationary_cov, np.r_[A0.ravel(), 0.7]),
+    "block_diag": (lambda x: pt.sum(iterops.block_diag(x[:4].reshape((2, 2)), x[4:6].reshape((1, 2))) ** 3),
+                   np.array([0.3, -1.2, 0.5, 2.0, -0.7, 1.1])),
+    "acovf": (lambda x: pt.sum(ts.acovf(x, 3) ** 2), np.array([0.3, -1.2, 0.5, 2.0, -0.7, 1.1, 0.2])),
+    "yule_walker": (_yule_walker, np.array([4.0, 2.0, 0.5, 0.2])),
+    "smith_doubling_loop": (
+        lambda x: pt.sum(iterops.linalg.smith_doubling_loop(*_mats(x), 1e-12, 100)[1] ** 2), X_LYAP),
+    "lyapunov_fixed_point_loop": (
+        lambda x: pt.sum(iterops.linalg.lyapunov_fixed_point_loop(*_mats(x), pt.eye(2), 1e-13, 500) ** 2), X_LYAP),
+    "lyapunov_fixed_point_loop damped": (
+        lambda x: pt.sum(iterops.linalg.lyapunov_fixed_point_loop(*_mats(x[:8]), pt.eye(2), 1e-13, 500, w=x[8]) ** 2),
+        np.r_[X_LYAP, 0.7]),
+}
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_op_hessian_matches_finite_differences(name):
+    cost, x0 = OPS[name]
+    _assert_hessian(cost, x0)
+
+
+# ---------------------------------------------------------------------------
+# A user's loop fused by the Scan rewrite: the Hessian of the fused Op = the Scan's own
+# ---------------------------------------------------------------------------
+
+
+def _no_scan(x, out):
+    assert not any(type(n.op).__name__ == "Scan" for n in pytensor.graph.traversal.applys_between([x], [out]))
+    return out
+
+
+LOOPS = {
+    "doubling_loop": (lambda x: pt.sum(ref.doubling_loop(*_mats(x)) ** 2), X_LYAP),
+    "fixed_point_loop": (lambda x: pt.sum(ref.fixed_point_loop(*_mats(x), tol=1e-13, n_steps=500) ** 2), X_LYAP),
+    "damped_fixed_point_loop": (
+        lambda x: pt.sum(ref.damped_fixed_point_loop(*_mats(x[:8]), x[8], tol=1e-13, n_steps=500) ** 2),
+        np.r_[X_LYAP, 0.7]),
+    "block_diag_loop": (lambda x: pt.sum(ref.block_diag_loop(x.reshape((2, 2, 2))) ** 3),
+                        np.array([0.3, -1.2, 0.5, 2.0, -0.7, 1.1, 0.2, 0.9])),
+}
+
+
+@pytest.mark.parametrize("name", list(LOOPS))
+def test_fused_loop_hessian_matches_the_scans(name):
+    loop, x0 = LOOPS[name]
+    H_fused = _assert_hessian(lambda x: _no_scan(x, iterops.fuse_loops(loop(x))), x0)
+    H_scan, _ = _hessian_and_fd(loop, x0, mode=SCAN_ORACLE)
+    np.testing.assert_allclose(H_fused, H_scan, rtol=1e-9, atol=1e-9)
 
 
 # ---------------------------------------------------------------------------
@@ -67,6 +163,17 @@ def test_ar_map_hessian_batched_and_nan_outside_stationarity(rng):
     g = pytensor.grad(pt.sum(ts.ar_to_pacf(th) ** 2), th)
     H = pytensor.function([th], jacobian(g, th), mode=RUN)(np.array([1.5, -0.2, 0.1]))  # not stationary
     assert np.all(np.isnan(H))
+
+
+@pytest.mark.parametrize("fn", ["pacf_to_ar", "ar_to_pacf", "ar_to_acov"])
+def test_ar_map_hessian_of_a_symbolic_order(rng, fn):
+    """``p`` unknown at graph build: second derivatives through the lattice written as Scans."""
+    w = rng.normal(size=6)
+    cost = {"pacf_to_ar": lambda x: pt.sum(ts.pacf_to_ar(x) ** 3),
+            "ar_to_pacf": lambda x: pt.sum(pt.tanh(ts.ar_to_pacf(x)) * w[:3]),
+            "ar_to_acov": lambda x: pt.sum(ts.ar_to_acov(x, 1.3, 5) * w)}[fn]
+    x0 = random_pacf(rng, 3) if fn == "pacf_to_ar" else random_ar(rng, 3)
+    _assert_hessian(cost, x0, static=False)
 
 
 def test_levinson_durbin_hessians_match_finite_differences(rng):
@@ -154,6 +261,74 @@ def test_kalman_hessian_of_a_fused_loop_matches_the_scans(rng):
     np.testing.assert_allclose(H_fused, H_scan, rtol=1e-8, atol=1e-8)
 
 
+def test_batched_kalman_hessian_matches_finite_differences(rng):
+    """Two series with their own T (Blockwise over the leading axis)."""
+    y = rng.normal(size=(2, 8, 1))
+
+    def cost(th):
+        T = pt.stack([th[:2], pt.as_tensor([1.0, 0.0])])
+        Q, H = pt.reshape(th[2] ** 2, (1, 1)), pt.reshape(th[3] ** 2, (1, 1))
+        r = ts.kalman_filter(y, pt.zeros(2), pt.eye(2), T=pt.stack([T, 0.9 * T]), Z=pt.as_tensor([[1.0, 0.0]]),
+                             R=pt.as_tensor([[1.0], [0.0]]), H=H, Q=Q)
+        return pt.sum(r.loglik * np.array([1.0, 0.5]))
+
+    _assert_hessian(cost, np.array([0.5, -0.2, 1.0, 0.6]))
+
+
+def test_kalman_hessian_vector_product_is_a_few_filter_passes(rng):
+    """``hessian_vector_product`` (reverse mode twice): one filter, at most two adjoint Ops and the Scans of
+    one reverse-twice pass, whatever the number of parameters (not one pass per parameter, as a Hessian's
+    Jacobian Scan); equal to central differences of the gradient along ``v``."""
+    y = rng.normal(size=(12, 2))
+    th, v = pt.vector("th", shape=(9,)), pt.vector("v", shape=(9,))
+    cost = _kalman(y, th).loglik
+    g = pytensor.grad(cost, th)
+    f = pytensor.function([th, v], hessian_vector_product(cost, th, v), mode=RUN)
+    ops = Counter(type(n.op).__name__ for n in f.maker.fgraph.apply_nodes)
+    assert ops["KalmanFilter"] == 1 and ops["KalmanFilterGrad"] <= 2 and ops["Scan"] <= N_SCANS, ops
+    fg = pytensor.function([th], g, mode=RUN)
+    v0, eps = rng.normal(size=9), 1e-5
+    fd = (fg(KALMAN_X0 + eps * v0) - fg(KALMAN_X0 - eps * v0)) / (2 * eps)
+    np.testing.assert_allclose(f(KALMAN_X0, v0), fd, rtol=0, atol=1e-6 * np.max(np.abs(fd)))
+
+
+# ---------------------------------------------------------------------------
+# JAX: PyTensor's Hessian graph under mode="JAX", and JAX's own reverse-over-reverse
+# ---------------------------------------------------------------------------
+
+
+def _jax_cases():
+    def lyapunov(x):
+        return pt.sum(iterops.solve_discrete_lyapunov(*_mats(x)) ** 2)
+
+    y = np.random.default_rng(3).normal(size=(10, 2))
+    y[4, 1] = np.nan
+    return {"solve_discrete_lyapunov": (lyapunov, X_LYAP),
+            "kalman_filter": (lambda x: _kalman(y, x).loglik, KALMAN_X0)}
+
+
+@pytest.mark.parametrize("name", ["solve_discrete_lyapunov", "kalman_filter"])
+def test_jax_hessians_match_finite_differences(name):
+    import jax  # noqa: PLC0415
+    from pytensor.compile import mode as pt_mode  # noqa: PLC0415
+    from pytensor.graph.fg import FunctionGraph  # noqa: PLC0415
+    from pytensor.link.jax.dispatch import jax_funcify  # noqa: PLC0415
+
+    jax.config.update("jax_enable_x64", True)
+    cost, x0 = _jax_cases()[name]
+    # PyTensor's Hessian graph, every Op in JAX; oracle: central differences of the JAX gradient (which
+    # test_jax checks against the Numba gradient)
+    H_pt, fd = _hessian_and_fd(cost, x0, mode="JAX")
+    scale = max(np.max(np.abs(fd)), 1.0)
+    np.testing.assert_allclose(H_pt, fd, rtol=0, atol=2e-6 * scale)
+    th = pt.vector("th", shape=(len(x0),))
+    fgraph = FunctionGraph([th], [cost(th)], clone=True)
+    pt_mode.JAX.optimizer.rewrite(fgraph)
+    f = jax_funcify(fgraph)
+    H_jax = jax.jacrev(jax.jacrev(lambda t: f(t)[0]))(x0)  # reverse over the custom_vjp rules
+    np.testing.assert_allclose(np.asarray(H_jax), fd, rtol=0, atol=2e-6 * scale)
+
+
 # ---------------------------------------------------------------------------
 # The clear error where second derivatives are not implemented
 # ---------------------------------------------------------------------------
@@ -169,15 +344,6 @@ def test_diffuse_kalman_second_derivative_raises_not_implemented(rng):
     y = rng.normal(size=(8, 2))
     with pytest.raises(NotImplementedError, match=r"order 2.*KalmanFilterDiffuseGrad.*P_inf"):
         _second_derivative(lambda th: _kalman(y, th, diffuse=[True, False]).loglik, 9)
-
-
-def test_lyapunov_loop_second_derivative_raises_not_implemented():
-    def cost(th):
-        A = th.reshape((2, 2))
-        return pt.sum(iterops.linalg.smith_doubling_loop(A, pt.eye(2), 1e-12, 100)[1] ** 2)
-
-    with pytest.raises(NotImplementedError, match=r"order 2.*smith_doubling_loop.*SmithDoublingLoopGrad.*A, Q"):
-        _second_derivative(cost, 4)
 
 
 # ---------------------------------------------------------------------------
@@ -234,3 +400,65 @@ def test_pymc_extras_find_map_hessian_and_fit_laplace(rng):
     np.testing.assert_allclose(laplace.fit["covariance_matrix"].values, cov, rtol=1e-6)
     phi = laplace.posterior["phi"].values
     assert phi.shape[-1] == 2 and np.all(np.isfinite(phi))
+
+
+def _local_level_data(n=30, seed=5):
+    rng = np.random.default_rng(seed)
+    return 10.0 + np.cumsum(rng.normal(size=n)) + 0.7 * rng.normal(size=n)
+
+
+def _laplace_family_models(name):
+    """(model on iterops, the same model on its Scan): ``kalman_filter`` called directly (demo's local level,
+    whose Scan twin is the textbook filter Scan and PyTensor's ops), or pymc-extras' structural local linear
+    trend (one builder: the rewrite fuses its filter Scan unless fusion is disabled)."""
+    from iterops import demo  # noqa: PLC0415
+
+    y = _local_level_data()
+    if name == "kalman_filter":
+        return demo.local_level_model(y, "iterops"), demo.local_level_model(y, "scan")
+    return (demo.pymc_extras_local_linear_trend_model(y[:, None]),
+            demo.pymc_extras_local_linear_trend_model(y[:, None]))
+
+
+@pytest.mark.slow  # compiles Hessian-vector products through Scans (the Scan oracle's and the adjoint's pullback)
+@pytest.mark.parametrize("name", ["kalman_filter", "structural"])
+def test_pymc_extras_laplace_family_on_iterops_models(name):
+    """find_MAP(compute_hessian=True), fit_laplace and fit(method="pathfinder") run on the fused model; the MAP
+    and the Laplace covariance equal those of the same model on its Scan (rewrite off)."""
+    import warnings  # noqa: PLC0415
+
+    from pymc_extras.inference import find_MAP, fit, fit_laplace  # noqa: PLC0415
+
+    warnings.simplefilter("ignore")
+    fused, scan = _laplace_family_models(name)
+    kw = dict(progressbar=False, random_seed=1)
+    with iterops.fusion.disabled():
+        oracle = find_MAP(model=scan, method="trust-ncg", compute_hessian=True,
+                          compile_kwargs={"mode": SCAN_ORACLE}, **kw).fit
+    assert _has_scan(scan, fused=False)
+    run = find_MAP(model=fused, method="trust-ncg", compute_hessian=True, compile_kwargs={"mode": RUN}, **kw).fit
+    assert not _has_scan(fused, fused=True)
+    np.testing.assert_allclose(run["mean_vector"].values, oracle["mean_vector"].values, rtol=1e-5, atol=1e-6)
+    cov = oracle["covariance_matrix"].values
+    np.testing.assert_allclose(run["covariance_matrix"].values, cov, rtol=1e-4, atol=1e-8)
+
+    laplace = fit_laplace(model=fused, optimize_method="trust-ncg", draws=50, compile_kwargs={"mode": RUN}, **kw)
+    np.testing.assert_allclose(laplace.fit["covariance_matrix"].values, cov, rtol=1e-4, atol=1e-8)
+    assert all(np.all(np.isfinite(v.values)) for v in laplace.posterior.data_vars.values())
+
+    pf = fit(method="pathfinder", model=fused, num_paths=2, num_draws=100, num_draws_per_path=50, parallel=False,
+             compile_kwargs={"mode": RUN}, **kw)
+    draws = np.concatenate([np.reshape(pf.posterior[v].values, (-1, int(np.prod(pf.posterior[v].shape[2:]))))
+                            for v in pf.posterior.data_vars], axis=1)
+    assert np.all(np.isfinite(draws)) and draws.shape[0] == 100
+
+
+def _has_scan(model, fused):
+    """Whether ``model``'s compiled logp-gradient graph holds a Scan (with iterops' rewrites, or without)."""
+    import contextlib  # noqa: PLC0415
+
+    from pytensor.scan.op import Scan  # noqa: PLC0415
+
+    with contextlib.nullcontext() if fused else iterops.fusion.disabled():
+        f = model.compile_dlogp(mode=RUN if fused else SCAN_ORACLE)
+    return any(isinstance(n.op, Scan) for n in f.f.maker.fgraph.apply_nodes)

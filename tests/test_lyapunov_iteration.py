@@ -297,13 +297,6 @@ def test_verify_grad_batched_broadcast(rng):
     verify_grad(lambda A, Q: lyapunov_fixed_point_loop(A, Q, Q, 0.0, 6, None), [a, q], rng=rng)
 
 
-def test_second_derivative_not_implemented():
-    A, Q = pt.dmatrix("A"), pt.dmatrix("Q")
-    g = pytensor.grad(smith_doubling_loop(A, Q, 1e-8, 10)[1].sum(), A)
-    with pytest.raises(NotImplementedError, match="order 2.*SmithDoublingLoopGrad"):
-        pytensor.grad(g.sum(), A)
-
-
 # ---------------------------------------------------------------------------
 # Batching, native Numba, validation
 # ---------------------------------------------------------------------------

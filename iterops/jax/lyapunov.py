@@ -117,7 +117,9 @@ def solve_discrete_lyapunov(A, Q, method="auto", tol=0.0, max_iter=100):
     Same algorithm, stop rule and failure values as :func:`iterops.linalg.lyapunov.lyapunov_kernel`.
     Differentiable in reverse mode (``jax.grad``, which PyMC's JAX samplers use) by the implicit function
     theorem, as the Op's pullback: with ``S`` solving ``A^H S A - S + X_bar = 0`` (this function again),
-    ``Q_bar = S`` and ``A_bar = S A X^H + S^H A X``.  For complex inputs these are the gradients
+    ``Q_bar = S`` and ``A_bar = S A X^H + S^H A X``; reverse mode twice too (the rule is written with this
+    function).  Forward mode (``jax.jvp``, ``jax.hessian``'s outer ``jacfwd``) is not supported (a
+    ``jax.custom_vjp``).  For complex inputs these are the gradients
     ``dL/dRe + i dL/dIm`` (``X_bar`` likewise); JAX's cotangents are their conjugates, which the rule
     converts.
     """
@@ -133,7 +135,9 @@ def _lyapunov(A, Q, method, tol, max_iter):
 
 
 def _lyapunov_fwd(A, Q, method, tol, max_iter):
-    X = _lyapunov_solve(A, Q, method, tol, max_iter)
+    # X through this rule again (not the solver itself), so that reverse mode over this rule
+    # (second derivatives: jax.jacrev(jax.jacrev(...))) differentiates X by the implicit function theorem
+    X = _lyapunov(A, Q, method, tol, max_iter)
     return X, (A, X)
 
 

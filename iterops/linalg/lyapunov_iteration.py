@@ -74,7 +74,9 @@ and for the damped loop, with ``Ybar = w Xbar_{k+1}`` and ``Y_k`` from the kept 
     \bar X_k = A^T \bar Y A + (1 - w) \bar X_{k+1},\qquad
     \bar w = \sum_{k\ge 0} \langle \bar X_{k+1}, Y_k - X_k\rangle ,
 
-``Q_bar`` and ``A_bar`` as above with ``Ybar`` for ``X_bar_{k+1}``.
+``Q_bar`` and ``A_bar`` as above with ``Ybar`` for ``X_bar_{k+1}``.  Second derivatives (the gradient Ops'
+pullbacks): reverse mode twice through the same loop written as a ``pytensor.scan`` with the same stop rule
+(:func:`_loop_second_order`): exact, not fused.
 """
 
 from __future__ import annotations
@@ -85,10 +87,12 @@ import numba
 import numpy as np
 from numba import types
 from numba.extending import overload
+import pytensor
 import pytensor.tensor as pt
 from pytensor.gradient import DisconnectedType, disconnected_type
 from pytensor.graph.basic import Apply
 from pytensor.graph.rewriting.basic import copy_stack_trace, node_rewriter
+from pytensor.scan.utils import until
 from pytensor.tensor.exceptions import ShapeError
 from pytensor.tensor.variable import TensorVariable
 
@@ -97,7 +101,7 @@ from iterops._fused import (
     FusedOp, OpaqueKernel, apply_batched, data_ptr, entry_point, keep_alive, register_fused_op,
 )
 from iterops._linalg_kernels import copy_into
-from iterops._second_order import not_twice_differentiable
+from iterops._second_order import not_twice_differentiable, reverse_twice
 from iterops._validate import as_tensor, check_dim_match, check_shape, check_square, float_dtype
 
 __all__ = [
@@ -777,7 +781,8 @@ class SmithDoublingLoop(_LoopOp):
 @register_fused_op
 class SmithDoublingLoopGrad(_LoopOp):
     """Core Op ``(m,m),(m,m),(),(),(m,m),(m,m)->(m,m),(m,m)``: (A, Q, tol, n_steps, Ga, Gg) -> (A_bar, Q_bar),
-    the reverse pass of :class:`SmithDoublingLoop`.  Not differentiable itself."""
+    the reverse pass of :class:`SmithDoublingLoop`.  Its pullback (second derivatives): reverse mode twice
+    through the loop as a Scan (:func:`_loop_second_order`)."""
 
     gufunc_signature = "(m,m),(m,m),(),(),(m,m),(m,m)->(m,m),(m,m)"
     _output_shape_from = (0, 1)
@@ -796,7 +801,7 @@ class SmithDoublingLoopGrad(_LoopOp):
         return [[True, True]] * 3 + [[False, False]] + [[True, True]] * 2
 
     def pullback(self, inputs, outputs, cotangents):
-        return _not_differentiable(self, inputs)
+        return _loop_second_order(self, inputs, cotangents)
 
 
 class _FixedPointOp(_LoopOp):
@@ -863,7 +868,8 @@ class LyapunovFixedPointLoop(_FixedPointOp):
 class LyapunovFixedPointLoopGrad(_FixedPointOp):
     """Core Op ``(m,m),(m,m),(m,m),(),(),(m,m)->(m,m),(m,m),(m,m)``: (A, Q, X0, tol, n_steps, G) ->
     (A_bar, Q_bar, X0_bar), the reverse pass of :class:`LyapunovFixedPointLoop`; damped,
-    (A, Q, X0, tol, n_steps, w, G) -> (A_bar, Q_bar, X0_bar, w_bar).  Not differentiable itself."""
+    (A, Q, X0, tol, n_steps, w, G) -> (A_bar, Q_bar, X0_bar, w_bar).  Its pullback (second derivatives):
+    reverse mode twice through the loop as a Scan (:func:`_loop_second_order`)."""
 
     @property
     def _output_shape_from(self):
@@ -889,7 +895,7 @@ class LyapunovFixedPointLoopGrad(_FixedPointOp):
         return [[True] * n_out] * 4 + [[False] * n_out] + [[True] * n_out] * (1 + len(self._w))
 
     def pullback(self, inputs, outputs, cotangents):
-        return _not_differentiable(self, inputs)
+        return _loop_second_order(self, inputs, cotangents)
 
 
 @register_fused_op
@@ -972,6 +978,83 @@ def _not_differentiable(op, inputs):
     names = [name for name, x in zip(("A", "Q", "X0"), inputs[:3]) if x.type.ndim >= 2]
     not_twice_differentiable(op, f"iterops.linalg.{func}", names,
                              "iterops.solve_discrete_lyapunov (the same fixed point) differentiates twice.")
+
+
+# ---------------------------------------------------------------------------
+# Second derivatives: the loop as a Scan, differentiated twice
+# ---------------------------------------------------------------------------
+
+
+def _until(stop, new, old, tol):
+    """The Scan's stop condition for ``stop`` (a key of :data:`_STOPS`); None for ``stop=None``."""
+    d = new - old
+    if stop is None:
+        return None
+    if stop == "fro_lt":
+        return pt.sqrt(pt.sum(d * d)) < tol
+    change = pt.max(pt.abs(d))
+    return change < tol if stop == "max_lt" else change <= tol
+
+
+def _loop_scan(stop, step, init, n_steps, non_sequences):
+    """The last states of ``pytensor.scan(step, outputs_info=init, ...)`` stopping by ``stop``; ``init``
+    where ``n_steps <= 0`` (where the Scan itself has no last state)."""
+    def body(*args):
+        states, tol = args[: len(init)], args[-1]
+        new = step(*states, *args[len(init):-1])
+        cond = _until(stop, new[-1], states[-1], tol)
+        return list(new) if cond is None else (list(new), until(cond))
+
+    outs = pytensor.scan(body, outputs_info=list(init), non_sequences=non_sequences, n_steps=pt.maximum(n_steps, 1),
+                         return_updates=False)
+    outs = outs if isinstance(outs, list | tuple) else [outs]
+    return [pt.switch(n_steps > 0, o[-1], x) for o, x in zip(outs, init)]
+
+
+def _doubling_graph(stop, tol, n_steps):
+    def graph(A, Q):
+        def step(alpha, gamma):
+            return alpha @ alpha, gamma + (alpha @ gamma) @ alpha.T
+
+        return _loop_scan(stop, step, [A, Q], n_steps, [tol])
+
+    return graph
+
+
+def _fixed_point_graph(stop, damping, tol, n_steps):
+    def graph(A, Q, X0, *w):
+        def step(X, A, Q, *w):
+            Y = (A @ X) @ A.T + Q
+            if damping == "convex":
+                return [(1 - w[0]) * X + w[0] * Y]
+            return [X + w[0] * (Y - X)] if damping == "increment" else [Y]
+
+        return _loop_scan(stop, step, [X0], n_steps, [A, Q, *w, tol])
+
+    return graph
+
+
+def _loop_second_order(op, inputs, cotangents):
+    """Pullback of a loop's gradient Op (inputs: the loop's inputs, ``w`` last for a damped loop, then the
+    cotangents ``g`` of the loop's outputs): reverse mode twice through the loop written as a Scan
+    (:func:`iterops._second_order.reverse_twice`), which runs the same steps with the same stop rule.
+    Exact, not fused: what ``pytensor.hessian`` of the user's Scan costs."""
+    if isinstance(op, SmithDoublingLoopGrad):
+        tol, n_steps = inputs[2], inputs[3]
+        x, g = list(inputs[:2]), list(inputs[4:])
+        graph = _doubling_graph(op.stop, tol, n_steps)
+    else:
+        tol, n_steps = inputs[3], inputs[4]
+        x, g = [*inputs[:3], *inputs[5:5 + len(op._w)]], list(inputs[5 + len(op._w):])
+        graph = _fixed_point_graph(op.stop, op.damping, tol, n_steps)
+    w = [None if isinstance(v.type, DisconnectedType) else v for v in cotangents]
+    if all(v is None for v in w):
+        x_bar, g_bar = [pt.zeros_like(v) for v in x], [pt.zeros_like(v) for v in g]
+    else:
+        x_bar, g_bar = reverse_twice(graph, x, g, w)
+    if isinstance(op, SmithDoublingLoopGrad):
+        return [*x_bar, pt.zeros_like(tol), disconnected_type(), *g_bar]
+    return [*x_bar[:3], pt.zeros_like(tol), disconnected_type(), *x_bar[3:], *g_bar]
 
 
 # ---------------------------------------------------------------------------
@@ -1061,7 +1144,8 @@ def smith_doubling_loop(A, Q, tol, n_steps, stop="max_lt") -> tuple[TensorVariab
 
     Gradient: the exact adjoint of the steps run (module docstring), with
     respect to ``A`` and ``Q``, cotangents on either or both outputs; zero for
-    ``tol``, none for ``n_steps``.  First order, reverse mode only.
+    ``tol``, none for ``n_steps``.  Reverse mode only; second derivatives through
+    the loop as a Scan (exact, not fused).
 
     Examples
     --------
@@ -1140,7 +1224,8 @@ def lyapunov_fixed_point_loop(A, Q, X0, tol, n_steps, stop="max_lt", *, w=None,
 
     Gradient: the exact adjoint of the steps run (module docstring) with
     respect to ``A``, ``Q``, ``X0`` and ``w``; zero for ``tol``, none for
-    ``n_steps``.  First order, reverse mode only.
+    ``n_steps``.  Reverse mode only; second derivatives through the loop as a
+    Scan (exact, not fused).
 
     Examples
     --------

@@ -48,8 +48,8 @@ the map itself has.  First derivatives in reverse and forward mode are exact.
 Second derivatives (the derivative Op's own pullback, :func:`_second_order`):
 ``sum_i b_i Hess f_i(x) a`` by reverse mode twice through :func:`lattice_graph`, the
 lattice unrolled into a PyTensor graph over the static order ``p`` (O(p^2) nodes: meant
-for the small orders of AR models; a symbolic ``p`` raises ``NotImplementedError``);
-NaN where the map fails.
+for the small orders of AR models), or written as ``pytensor.scan`` loops where ``p`` is
+symbolic (:func:`lattice_scan`); NaN where the map fails.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ import numba
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
-from pytensor.gradient import DisconnectedType, disconnected_type, grad_not_implemented
+from pytensor.gradient import DisconnectedType, disconnected_type
 from pytensor.graph.basic import Apply
 from pytensor.graph.replace import graph_replace
 from pytensor.tensor.variable import TensorVariable
@@ -507,15 +507,8 @@ class ARDerivative(FusedOp):
         other = "jvp" if self.mode == "vjp" else "vjp"
         # <w, J^T v> = <v, J w> (vjp) and <w, J v> (jvp): x_bar = sum_i b_i Hess f_i a
         a, b = (w, v) if self.mode == "vjp" else (v, w)
-        if x.type.shape[-1] is None:
-            # no static order: the term of x is an error only if it is used (a pushforward through this
-            # pullback needs only the cotangent of v, which is linear)
-            x_bar = grad_not_implemented(
-                self, 0, x, f"Second derivatives of {self.fn} need a static order p (the length of the last axis "
-                f"of its input, here of shape {x.type.shape}); give the input a static shape (pt.specify_shape).")
-        else:
-            x_bar = pt.switch(pt.isnan(outputs[0].sum(axis=-1, keepdims=True)), np.nan,
-                              _second_order(self.fn, x, a, b, self.nlags))
+        x_bar = pt.switch(pt.isnan(outputs[0].sum(axis=-1, keepdims=True)), np.nan,
+                          _second_order(self.fn, x, a, b, self.nlags))
         return [x_bar, _derivative(self.fn, other, x, w, self.nlags)]
 
     def pushforward(self, inputs, outputs, tangents):
@@ -546,15 +539,13 @@ def _derivative(fn, mode, x, v, nlags=-1):
 
 
 def lattice_graph(fn, x, nlags=-1):
-    """The map ``fn`` as a PyTensor graph unrolled over the static order ``p = x.shape[-1]``
-    (``ar_to_acov`` with ``sigma2 = 1``), batched over leading dimensions: O(p^2) scalar nodes
-    (O(p (p + nlags)) for ``ar_to_acov``).  No failure value: the caller masks with the fused map's."""
+    """The map ``fn`` as a PyTensor graph (``ar_to_acov`` with ``sigma2 = 1``), batched over leading
+    dimensions: unrolled over the static order ``p = x.shape[-1]`` (O(p^2) scalar nodes, O(p (p + nlags))
+    for ``ar_to_acov``), or, where ``p`` is symbolic, :func:`lattice_scan` on a core vector.  No failure
+    value: the caller masks with the fused map's."""
     p = x.type.shape[-1]
     if p is None:
-        raise NotImplementedError(
-            f"Second derivatives of {fn} need a static order p (the length of the last axis of its "
-            f"input, here of shape {x.type.shape}); give the input a static shape (e.g. pt.specify_shape)."
-        )
+        return lattice_scan(fn, x, nlags)
     c = [x[..., j] for j in range(p)]
     if fn == "pacf_to_ar":  # step-up: phi_{k,j} = phi_{k-1,j} - kappa_k phi_{k-1,k-j}, phi_{k,k} = kappa_k
         phi = []
@@ -575,6 +566,38 @@ def lattice_graph(fn, x, nlags=-1):
         q = min(m, p)
         gam.append(sum((levels[q][j - 1] * gam[m - j] for j in range(2, q + 1)), levels[q][0] * gam[m - 1]))
     return pt.stack(gam, axis=-1)
+
+
+def lattice_scan(fn, x, nlags=-1):
+    """:func:`lattice_graph` for a core vector ``x`` (p,) of symbolic length: the step-up / step-down
+    recursions as ``pytensor.scan`` loops over the order, on zero-padded (p,) levels; the autocovariances
+    unrolled over the static ``nlags``."""
+    p = x.shape[0]
+    j = pt.arange(p)
+    if fn == "pacf_to_ar":
+        def up(k, kap, phi):  # level k from level k - 1
+            return pt.where(j < k - 1, phi - kap * phi[pt.maximum(k - 2 - j, 0)], pt.where(pt.eq(j, k - 1), kap, 0.0))
+
+        return pytensor.scan(up, sequences=[pt.arange(1, p + 1), x], outputs_info=[pt.zeros_like(x)],
+                             return_updates=False)[-1]
+
+    def down(k, phi):  # level k - 1 from level k (kappa_k = phi_{k,k})
+        kap = phi[k - 1]
+        return pt.where(j < k - 1, (phi + kap * phi[pt.maximum(k - 2 - j, 0)]) / (1.0 - kap * kap), 0.0)
+
+    lower = pytensor.scan(down, sequences=[pt.arange(p, 0, -1)], outputs_info=[x], return_updates=False)
+    levels = pt.concatenate([lower[::-1][1:], x[None]], axis=0)  # levels[q - 1]: phi_{q,.}, q = 1..p
+    kaps = pt.diagonal(levels)  # kappa_q = phi_{q,q}
+    if fn == "ar_to_pacf":
+        return kaps
+
+    # gamma_m = sum_{i <= q} phi_{q,i} gamma_{m-i}, q = min(m, p): unrolled over the static nlags
+    i = j + 1
+    gam = [1.0 / pt.prod(1.0 - kaps * kaps, no_zeros_in_input=True)]  # non-zero where stationary
+    for m in range(1, nlags + 1):
+        terms = levels[pt.minimum(m, p) - 1] * pt.stack(gam)[pt.clip(m - i, 0, m - 1)]
+        gam.append(pt.sum(pt.where(i <= m, terms, 0.0)))
+    return pt.stack(gam)
 
 
 def _second_order(fn, x, a, b, nlags):
