@@ -21,6 +21,7 @@ import hashlib
 
 import numba
 import numpy as np
+import pytensor
 from numba.extending import intrinsic
 from pytensor.link.numba.cache import compile_numba_function_src
 
@@ -90,10 +91,11 @@ class Abi:
                      "pointer_at": _pointer_at(dtype)}
         namespace |= {s.cls.__name__: s.cls for s in self._structs(args.values())}
         # cached on disk like PyTensor's generated functions (its locator, keyed by the source): a new
-        # process or a new graph loads the packer instead of compiling it
+        # process or a new graph loads the packer instead of compiling it (unless PyTensor's cache is off)
+        cache = bool(pytensor.config.numba__cache)
         self.pack, self.unpack = (
-            numba.njit(compile_numba_function_src(self.source, name, namespace, cache_key=self._key(name, dtype)),
-                       cache=True)
+            numba.njit(compile_numba_function_src(self.source, name, namespace,
+                                                  cache_key=self._key(name, dtype) if cache else None), cache=cache)
             for name in ("pack", "unpack"))
 
     def _key(self, name: str, dtype: str) -> str:

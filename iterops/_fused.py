@@ -48,12 +48,12 @@ from pathlib import Path
 import llvmlite.binding
 import numba
 import numpy as np
+import pytensor.tensor as pt
 from llvmlite import ir
 from numba.core.caching import CacheImpl, _CacheLocator
-from numba.core.typing.ctypes_utils import to_ctypes
 from numba.core.imputils import impl_ret_borrowed
+from numba.core.typing.ctypes_utils import to_ctypes
 from numba.extending import intrinsic
-import pytensor.tensor as pt
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.link.numba.dispatch.basic import register_funcify_default_op_cache_key
