@@ -139,3 +139,24 @@ def random_ar(rng, p, bound=0.9):
 def sm_acov(phi, sigma2, nlags):
     """Autocovariances 0..nlags of the AR(p) ``phi`` with innovation variance ``sigma2`` (statsmodels)."""
     return arma_acovf(np.r_[1.0, -np.asarray(phi)], [1.0], nobs=nlags + 1, sigma2=sigma2)
+
+
+#: The heaviest default tests (a minute of compile each on 2 cores) whose subject a lighter default test
+#: also covers: run under ``-m slow`` to keep the default suite within its 25-minute budget.
+HEAVY = {
+    "tests/test_hessian.py::test_batched_kalman_hessian_matches_finite_differences",  # batched: test_kalman
+    "tests/test_hessian.py::test_jax_hessians_match_finite_differences[kalman_filter]",  # [lyapunov] stays
+    "tests/test_hessian.py::test_kalman_hessian_vector_product_is_a_few_filter_passes",
+    "tests/test_kalman_diffuse.py::test_all_false_mask_is_the_ordinary_filter",
+    "tests/test_kalman_diffuse.py::test_jax_custom_vjp_vmap_equals_numba_one_by_one",
+    "tests/test_kalman_diffuse.py::test_jax_custom_vjp_failure_values_and_nan_gradients_equal_numba[not_ending]",
+    "tests/test_levinson_recursion.py::test_matches_loop_float32",  # float64 stays
+    "tests/test_lyapunov_iteration.py::test_random_stable_matches_scan",
+    "tests/test_fusion_kalman.py::test_pymc_extras_time_varying_matrices[obs_intercept+design]",  # [design] stays
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid in HEAVY:
+            item.add_marker(pytest.mark.slow)
