@@ -126,10 +126,10 @@ def _iterops_rewriters() -> set:
     from iterops.fusion.rewrite import fuse_scan  # noqa: PLC0415
     from iterops.linalg.lyapunov_iteration import share_fixed_point_trace  # noqa: PLC0415
     from iterops.scan_grad import scan_mit_mot_to_sit_sot, scan_reversed_tail  # noqa: PLC0415
-    from iterops.ts.kalman import kalman_unused_forecast_cov  # noqa: PLC0415
+    from iterops.ts.kalman import kalman_unused_outputs  # noqa: PLC0415
 
     return {fuse_scan, share_fixed_point_trace, scan_mit_mot_to_sit_sot, scan_reversed_tail,
-            kalman_unused_forecast_cov, "iterops_explain"}
+            kalman_unused_outputs, "iterops_explain"}
 
 
 @contextmanager

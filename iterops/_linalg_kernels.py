@@ -32,11 +32,12 @@ import numpy as np
 from iterops._fused import data_ptr
 
 __all__ = [
-    "SMALL", "matmul", "mm", "congruence", "sym_inplace", "sym_into", "sym_finite", "cholesky", "cho_solve_vec",
-    "cho_inverse", "copy_into", "borrowed", "carve",
+    "SMALL", "FLOAT_MAX", "matmul", "mm", "congruence", "sym_inplace", "sym_into", "sym_finite", "cholesky", "cho_solve_vec",
+    "cho_inverse", "copy_into", "borrowed", "flat", "carve",
 ]
 
 SMALL = 10  #: matrix products of more than SMALL**3 multiply-adds go to BLAS
+FLOAT_MAX = float(np.finfo(np.float64).max)  #: |x| <= FLOAT_MAX: x is finite (one comparison, which vectorises)
 
 
 @numba.njit(cache=True)
@@ -176,6 +177,13 @@ def borrowed(a):
 
 
 @numba.njit(cache=True, inline="always")
+def flat(X, size):
+    """A :func:`borrowed` 1-d view of the first ``size`` entries of the C-contiguous ``X`` (the column of an
+    (m, 1) work array as a vector; no run-time reshape call)."""
+    return numba.carray(data_ptr(X), size)
+
+
+@numba.njit(cache=True, inline="always")
 def carve(buf, start, shape):
     """A :func:`borrowed` array of ``shape`` over ``buf[start:]`` (``buf`` 1-d, C-contiguous): work arrays
     carved out of one allocation (one ``malloc`` per kernel call instead of one per array; the caller keeps
@@ -219,8 +227,35 @@ def spmm(X, idx, Y, out, alpha=1.0, beta=0.0):
     """out = alpha X Y + beta out over the nonzero entries of X only (``idx``: :func:`nonzero_index` of X;
     X, Y, out may be transposed views).  Each entry sums its terms in the order of :func:`matmul`'s loops,
     so for finite Y the result is the dense product's to rounding (bitwise for ``alpha = 1, beta = 0``
-    below :data:`SMALL`).  Returns the sum of the entries of ``alpha X Y``: not finite when one of them
-    is not (the caller then takes the dense product, in which ``0 * inf = NaN``)."""
+    below :data:`SMALL`).  Returns a float that is not finite when an entry of ``alpha X Y`` is not (the
+    caller then takes the dense product, in which ``0 * inf = NaN``), 0 otherwise.
+
+    With ``beta = 0`` each row of ``out`` is built as a sum of scaled rows of Y (``out[i] += X[i, l] Y[l]``,
+    the same terms in the same order per entry): no reduction in the inner loop, which runs along a row
+    of Y (contiguous for a C-ordered Y) and vectorises."""
+    if beta != 0.0:
+        return _spmm_accumulate(X, idx, Y, out, alpha, beta)
+    n = Y.shape[1]
+    finite = True
+    for i in range(X.shape[0]):
+        for j in range(n):
+            out[i, j] = 0.0
+        for q in range(1, idx[i, 0] + 1):
+            l = idx[i, q]
+            x = X[i, l]
+            for j in range(n):
+                out[i, j] += x * Y[l, j]
+        for j in range(n):
+            v = out[i, j] * alpha
+            out[i, j] = v
+            finite &= abs(v) <= FLOAT_MAX
+    return 0.0 if finite else np.inf
+
+
+
+@numba.njit(cache=True)
+def _spmm_accumulate(X, idx, Y, out, alpha, beta):
+    """:func:`spmm` with ``beta != 0``: entry by entry."""
     total = 0.0
     for i in range(X.shape[0]):
         c = idx[i, 0]
@@ -232,7 +267,7 @@ def spmm(X, idx, Y, out, alpha=1.0, beta=0.0):
                 s += X[i, l] * Y[l, j]
             s *= alpha
             row += s
-            out[i, j] = s + (beta * out[i, j] if beta != 0.0 else 0.0)
+            out[i, j] = s + beta * out[i, j]
         total += row
     return total
 

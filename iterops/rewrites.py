@@ -15,8 +15,9 @@ name                                      database (position)                  b
                                                                                          ``xs[-k:][::-1]``
 ``iterops_share_fixed_point_trace``       ``specialize``                       numba     a Lyapunov loop and its
                                                                                          gradient share one run
-``iterops_kalman_unused_forecast_cov``    ``optdb`` (49.0)                     all       a Kalman filter whose F
-                                                                                         nobody reads skips it
+``iterops_kalman_unused_outputs``        ``optdb`` (49.0)                     all       Kalman Ops skip outputs
+                                                                                         nobody reads (F; the
+                                                                                         cotangents of T, Z)
 ========================================  ===================================  ========  ==========================
 
 The rewrites themselves live beside what they rewrite (:mod:`iterops.fusion.rewrite`,
@@ -32,7 +33,7 @@ from pytensor.graph.rewriting.basic import dfs_rewriter
 from iterops.fusion.rewrite import FuseLoopsEverywhere, fuse_scan
 from iterops.linalg.lyapunov_iteration import share_fixed_point_trace
 from iterops.scan_grad import scan_mit_mot_to_sit_sot, scan_reversed_tail
-from iterops.ts.kalman import kalman_unused_forecast_cov
+from iterops.ts.kalman import kalman_unused_outputs
 
 __all__ = ["register"]
 
@@ -50,8 +51,8 @@ def register() -> None:
     optdb.register("iterops_scan_reversed_tail", dfs_rewriter(scan_reversed_tail, ignore_newtrees=True),
                    "fast_run", "scan", "iterops", position=1.591)
     optdb["specialize"].register("iterops_share_fixed_point_trace", share_fixed_point_trace, "numba", "iterops")
-    optdb.register("iterops_kalman_unused_forecast_cov",
-                   dfs_rewriter(kalman_unused_forecast_cov, ignore_newtrees=True),
+    optdb.register("iterops_kalman_unused_outputs",
+                   dfs_rewriter(kalman_unused_outputs, ignore_newtrees=True),
                    "fast_run", "fast_compile", "iterops", position=49.0)
 
 

@@ -67,7 +67,7 @@ _FNS = {}
 def filter_fn(tv=(), univariate=True, jitter=0.0, batch=0, n_out=8):
     """A compiled ``kalman_filter`` of unknown sizes (one per option set), Python linker (``perform``
     runs the same kernel as the Numba linker); outputs: the first ``n_out`` (7: ``forecast_error_cov``
-    unused, so the rewrite ``kalman_unused_forecast_cov`` skips it)."""
+    unused, so the rewrite ``kalman_unused_outputs`` skips it)."""
     key = (tuple(tv), univariate, jitter, batch, n_out)
     if key not in _FNS:
         ins = symbolic_inputs({}, tv, batch)

@@ -102,12 +102,14 @@ def _has(x):
 
 
 @numba.njit(cache=True, inline="always")
-def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad):
+def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad, want):
     """Reverse-mode adjoint of :func:`iterops.ts._kalman_filter.kalman_filter_kernel`.
 
     ``ap``/``Pp`` are the forward ``predicted_state``/``predicted_cov``; each step's update is
     recomputed from them.  ``cot``: :class:`Cotangents` of the outputs.  Writes the cotangents
-    of the inputs into ``grad`` (:class:`InputCotangents`); all NaN if the forward pass failed.
+    of the inputs into ``grad`` (:class:`InputCotangents`); all NaN if the forward pass failed.  ``want``
+    (:class:`iterops.ts._kalman_steps.Wanted`): the per-step terms of T's and Z's cotangents are computed
+    only where True (else those cotangents are not meaningful; the entry point fills them with NaN).
 
     Steady stretches (see :func:`_steady_adjoint_run`) take a cheaper path (static
     ``T, Z, R, H, Q``, any ``cov_jitter``); every other step recomputes its update and reverses its stages, the
@@ -167,7 +169,7 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad):
         update_mean(a, v, obs, k, K, af)
         # predict (a_f_bar starts from the cotangent of filtered_state[t], P_f_bar gets filtered_cov[t]'s)
         _row_or_zero(cot.filtered_state, t, af_bar)
-        predict_vjp(abar, Pbar, af, Pf, st, gst, sum_rq, Grq, G, W, Pf_bar, af_bar, sx, rw.S)
+        predict_vjp(abar, Pbar, af, Pf, st, gst, sum_rq, Grq, G, W, Pf_bar, af_bar, sx, rw.S, want)
         if _has(cot.filtered_cov):
             Pf_bar += cot.filtered_cov[t]
         # loglik (ll_bar: loglik's and loglik_obs[t]'s), update (X_bar starts from forecast_error_cov[t]'s)
@@ -175,14 +177,14 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad):
         _row_or_zero(cot.forecast_error_cov, t, X_bar)
         one = p == 1 and k == 1
         if one:  # writes the symmetrized cotangent of P_t into Pbar directly
-            update_vjp_one(v[0], st.Z, jitter, ws, rw, gst.H, Pbar)
+            update_vjp_one(v[0], st.Z, jitter, ws, rw, gst.H, Pbar, want.Z)
         else:
-            update_vjp(a, v, st.Z, jitter, k, ws, rw, gst.Z, gst.H)
+            update_vjp(a, v, st.Z, jitter, k, ws, rw, gst.Z, gst.H, want.Z)
         # observe (v_bar gets forecast_error[t]'s); a_t, P_t get predicted_state[t]'s, predicted_cov[t]'s
         if _has(cot.forecast_error):
             for i in range(k):
                 vo_bar[i] += cot.forecast_error[t, obs[i]]
-        observe_vjp(a, k, obs, Zo, vo_bar, XZ, a_bar_new, grad.y[t], gst.d, gst.Z)
+        observe_vjp(a, k, obs, Zo, vo_bar, XZ, a_bar_new, grad.y[t], gst.d, gst.Z, want.Z)
         for i in range(m):
             abar[i] = a_bar_new[i] + (cot.predicted_state[t, i] if _has(cot.predicted_state) else 0.0)
         if not one:

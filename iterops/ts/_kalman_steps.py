@@ -61,12 +61,12 @@ import numba
 import numpy as np
 
 from iterops._linalg_kernels import (
-    SMALL, all_finite, borrowed, carve, cho_solve_vec, cholesky, copy_into, matmul, nonzero_index, spmm, sym_finite,
-    sym_inplace, sym_into,
+    FLOAT_MAX, SMALL, all_finite, borrowed, carve, cho_solve_vec, cholesky, copy_into, flat, matmul, nonzero_index,
+    spmm, sym_finite, sym_inplace, sym_into,
 )
 
 __all__ = [
-    "LOG_2PI", "System", "Options", "UpdateWork", "update_work", "ReverseWork", "reverse_work", "Structure",
+    "LOG_2PI", "System", "Options", "Wanted", "UpdateWork", "update_work", "ReverseWork", "reverse_work", "Structure",
     "structure", "find_structure", "ti", "system_at",
     "static_cov", "varies_over_time", "static_rq", "missing", "fully_observed", "observe", "innovation",
     "observe_vjp", "update_cov", "update_one", "update_vjp_one", "MULTIVARIATE", "AUTO", "UNIVARIATE",
@@ -98,6 +98,15 @@ class Options(NamedTuple):
     jitter: float  #: ``cov_jitter``
     missing_value: float  #: sentinel of a missing observation (besides NaN) ...
     use_missing_value: bool  #: ... when True
+
+
+class Wanted(NamedTuple):
+    """Which of the costly input cotangents a reverse pass computes: T's (a dense m^3 product per step) and
+    Z's.  The others cost O(m) per step or are computed once.  A graph that reads neither (PyMC's gradient
+    when T and Z hold no parameter) sets both False (:func:`iterops.ts.kalman.kalman_unused_outputs`)."""
+
+    T: bool
+    Z: bool
 
 
 class UpdateWork(NamedTuple):
@@ -288,18 +297,20 @@ def innovation(y, d, Zt, ap, t, L, v, w):
 
 
 @numba.njit(cache=True, inline="always")
-def observe_vjp(a, k, obs, Zo, vo_bar, Zo_bar, a_bar, gy, gd, gZ):
+def observe_vjp(a, k, obs, Zo, vo_bar, Zo_bar, a_bar, gy, gd, gZ, want_Z=True):
     """Reverse of ``v_o = y_o - d_o - Z_o a``: ``y_bar += v_bar``, ``d_bar -= v_bar``,
-    ``Z_bar[o] += Zo_bar - v_bar a^T`` (``Zo_bar``: the cotangent of ``Z_o`` from its other use),
-    ``a_bar -= Z_o^T v_bar``.  ``gy``, ``gd``, ``gZ``: cotangents of step t's y, d, Z."""
+    ``Z_bar[o] += Zo_bar - v_bar a^T`` (``Zo_bar``: the cotangent of ``Z_o`` from its other use; only when
+    ``want_Z``), ``a_bar -= Z_o^T v_bar``.  ``gy``, ``gd``, ``gZ``: cotangents of step t's y, d, Z."""
     m = a.shape[0]
     for i in range(k):
         oi = obs[i]
         gy[oi] += vo_bar[i]
         gd[oi] -= vo_bar[i]
         for jj in range(m):
-            gZ[oi, jj] += Zo_bar[i, jj] - vo_bar[i] * a[jj]
             a_bar[jj] -= Zo[i, jj] * vo_bar[i]
+        if want_Z:
+            for jj in range(m):
+                gZ[oi, jj] += Zo_bar[i, jj] - vo_bar[i] * a[jj]
 
 
 # ---------------------------------------------------------------------------
@@ -402,7 +413,10 @@ def update_one(Ps, finite, Zt, Ht, jitter, ws, F, Pf, sx):
     symmetric, ``finite`` whether it is): the rank-one update, no Cholesky, no copy::
 
         u = Ps z^T (z = Z's row, its zeros skipped when finite),  f = z u + H + j
-        K = u / f,  Pf = Ps - K (u + j K)^T + j I   (one triangle, mirrored)
+        K = u / f,  Pf = Ps - c (u u^T) + j I  with  c = (1 + j / f) / f   (= Ps - K (u + j K)^T + j I)
+
+    ``Pf`` is computed whole, row by row (a loop that vectorises); ``u_l u_q = u_q u_l`` keeps it exactly
+    symmetric.
 
     Writes ``F = f``, ``M[:, 0] = u``, ``K[:, 0]``, ``Zo[0] = z``, ``L[0, 0] = sqrt(f)`` (the
     :class:`UpdateWork` of the general update; ``ws.Ps`` is not touched).  Returns
@@ -427,20 +441,19 @@ def update_one(Ps, finite, Zt, Ht, jitter, ws, F, Pf, sx):
     if not (f > 0.0) or not np.isfinite(f):
         return False, np.nan, False
     L[0, 0] = np.sqrt(f)
+    u = flat(M, m)  # M[:, 0] (p = 1), as a contiguous vector
     for l in range(m):
         K[l, 0] = M[l, 0] / f
-    total = m * jitter
+    c = (1.0 + jitter / f) / f
+    fin = True
     for l in range(m):
-        kl = K[l, 0]
-        row = 0.0  # the sum (finite?) by rows: short dependency chains
-        for q in range(l, m):
-            x = Ps[l, q] - kl * (M[q, 0] + jitter * K[q, 0])
+        ul = u[l]
+        for q in range(m):
+            x = Ps[l, q] - c * (ul * u[q])
             Pf[l, q] = x
-            Pf[q, l] = x
-            row += x
+            fin &= abs(x) <= FLOAT_MAX
         Pf[l, l] += jitter
-        total += row
-    return True, np.log(f), np.isfinite(total)
+    return True, np.log(f), fin and np.isfinite(m * jitter)
 
 
 #: ``univariate`` modes of the forward filter (the ``kalman_filter`` option): never, by the rule, always
@@ -560,14 +573,15 @@ def update_mean(a, v, obs, k, K, af):
 
 
 @numba.njit(cache=True, inline="always")
-def update_vjp(a, v, Zt, jitter, k, ws, rw, gZ, gH):
+def update_vjp(a, v, Zt, jitter, k, ws, rw, gZ, gH, want_Z=True):
     """Reverse of :func:`update_cov` and :func:`update_mean` (the whole measurement update).
 
     Reads from ``rw`` (:class:`ReverseWork`) the cotangents ``Pf_bar``, ``af_bar`` of P_f, a_f,
     ``vo_bar[:k]``, ``Fo_bar[:k, :k]`` of v_o, F_oo (from :func:`loglik_vjp`) and ``X_bar`` of F
     (from the output).  Writes ``P_bar_new`` (cotangent of the step's P, before symmetrization),
     ``a_bar_new = a_f_bar``, ``vo_bar += K^T a_f_bar``, ``XZ[:k] = Zo_bar`` and ``X_bar = sym(F_bar)``
-    (both for :func:`observe_vjp`); adds to ``gZ``, ``gH`` (cotangents of step t's Z, H).
+    (both for :func:`observe_vjp`); adds to ``gZ`` (when ``want_Z``; ``Zo_bar`` is then not written), ``gH``
+    (cotangents of step t's Z, H).
     """
     m = a.shape[0]
     p = Zt.shape[0]
@@ -603,20 +617,22 @@ def update_vjp(a, v, Zt, jitter, k, ws, rw, gZ, gH):
         for jj in range(p):
             gH[i, jj] += X_bar[i, jj]
     matmul(X_bar, Zt, XZ)
-    matmul(XZ, Ps, gZ, 2.0, 1.0)
+    if want_Z:
+        matmul(XZ, Ps, gZ, 2.0, 1.0)
     matmul(Zt.T, XZ, P_bar_new)
     for i in range(m):
         for jj in range(m):
             P_bar_new[i, jj] += S[i, jj]
     # M = Ps Zo^T: Ps_bar += M_bar Zo; Zo_bar = M_bar^T Ps.   a_f = a + K v_o: a_bar = a_f_bar
     matmul(M_bar[:, :k], Zo[:k], P_bar_new, 1.0, 1.0)
-    matmul(M_bar[:, :k].T, Ps, XZ[:k])
+    if want_Z:
+        matmul(M_bar[:, :k].T, Ps, XZ[:k])
     for i in range(m):
         a_bar_new[i] = af_bar[i]
 
 
 @numba.njit(cache=True, inline="always")
-def update_vjp_one(v0, Zt, jitter, ws, rw, gH, P_bar):
+def update_vjp_one(v0, Zt, jitter, ws, rw, gH, P_bar, want_Z=True):
     """:func:`update_vjp` for one observable, observed (``p = k = 1``, the update of :func:`update_one`:
     ``u = Ps z^T``, ``f``, ``K = u / f``), its reverse loops merged::
 
@@ -627,21 +643,29 @@ def update_vjp_one(v0, Zt, jitter, ws, rw, gH, P_bar):
 
     Writes ``P_bar`` (the :func:`update_vjp` ``P_bar_new``, already symmetric: what :func:`_carry_cov`
     would make of it, without the cotangent of ``predicted_cov``), ``a_bar_new``, ``vo_bar[0]``,
-    ``XZ[0]``, ``X_bar[0, 0]``; adds to ``gH``.  The same arithmetic as :func:`update_vjp`, to rounding."""
+    ``XZ[0]`` (only when ``want_Z``: it is the cotangent of Z's row), ``X_bar[0, 0]``; adds to ``gH``.  The
+    same arithmetic as :func:`update_vjp`, to rounding."""
     m = Zt.shape[1]
     _, Ps, _, _, M, L, K, _ = ws
     _, _, S, Pf_bar, af_bar, K_bar, M_bar, _, Fo_bar, X_bar, XZ, vo_bar, a_bar_new, _ = rw
     sym_into(Pf_bar, S)
+    # S K and S u as sums of scaled rows of the symmetric S (S[l, i] = S[i, l]): the terms of each entry in
+    # the order of a row-by-column product, in loops that vectorise; the columns of the (m, 1) arrays as vectors
+    sk, su, k0, u0 = flat(M_bar, m), flat(K_bar, m), flat(K, m), flat(M, m)
+    for i in range(m):
+        sk[i] = 0.0
+        su[i] = 0.0
+    for l in range(m):
+        kl = k0[l]
+        ul = u0[l]
+        for i in range(m):
+            sk[i] += S[l, i] * kl
+            su[i] += S[l, i] * ul
     kaf = 0.0
     for i in range(m):
-        sk = 0.0
-        su = 0.0
-        for l in range(m):
-            sk += S[i, l] * K[l, 0]
-            su += S[i, l] * M[l, 0]
-        mb = -sk
+        mb = -sk[i]
         M_bar[i, 0] = mb
-        K_bar[i, 0] = -su + af_bar[i] * v0 + 2.0 * jitter * mb
+        K_bar[i, 0] = -su[i] + af_bar[i] * v0 + 2.0 * jitter * mb
         kaf += K[i, 0] * af_bar[i]
         a_bar_new[i] = af_bar[i]
     vo_bar[0] += kaf
@@ -655,19 +679,20 @@ def update_vjp_one(v0, Zt, jitter, ws, rw, gH, P_bar):
     x = X_bar[0, 0] + Fo_bar[0, 0] - kkb
     X_bar[0, 0] = x
     gH[0, 0] += x
-    for j in range(m):
-        XZ[0, j] = 0.0
-    for l in range(m):
-        c = 2.0 * x * Zt[0, l] + M_bar[l, 0]
+    if want_Z:
         for j in range(m):
-            XZ[0, j] += c * Ps[l, j]
-    for i in range(m):
-        zi = Zt[0, i]
-        for j in range(i, m):
-            zj = Zt[0, j]
-            y = S[i, j] + x * zi * zj + 0.5 * (M_bar[i, 0] * zj + M_bar[j, 0] * zi)
-            P_bar[i, j] = y
-            P_bar[j, i] = y
+            XZ[0, j] = 0.0
+        for l in range(m):
+            c = 2.0 * x * Zt[0, l] + M_bar[l, 0]
+            for j in range(m):
+                XZ[0, j] += c * Ps[l, j]
+    mb = flat(M_bar, m)
+    z = Zt[0]
+    for i in range(m):  # whole rows (they vectorise); x (z_i z_j) and the sum keep P_bar exactly symmetric
+        zi = z[i]
+        mi = mb[i]
+        for j in range(m):
+            P_bar[i, j] = S[i, j] + x * (zi * z[j]) + 0.5 * (mi * z[j] + mb[j] * zi)
 
 
 # ---------------------------------------------------------------------------
@@ -806,19 +831,22 @@ def _triangle_test(P_new, P_old, test):
 
 
 @numba.njit(cache=True)
-def predict_cov_vjp(G, Tt, Pf, gT, Pf_bar, beta, GT, sx, tmp, g_finite=-1):
+def predict_cov_vjp(G, Tt, Pf, gT, Pf_bar, beta, GT, sx, tmp, g_finite=-1, want_T=True):
     """Reverse of ``P' = T P_f T^T + ...`` for ``G = sym(P'_bar)`` (G and P_f symmetric):
-    ``P_f_bar = T^T G T + beta P_f_bar``, ``T_bar += 2 G T P_f`` (dense).  ``GT``, ``tmp`` (m, m): scratch.
+    ``P_f_bar = T^T G T + beta P_f_bar``, ``T_bar += 2 G T P_f`` (dense; only when ``want_T``: an m^3
+    product, most of a sparse step's reverse).  ``GT``, ``tmp`` (m, m): scratch.
     T's zeros skipped when ``sx.use[0]`` and G, G T are finite (:class:`Structure`; ``g_finite``: 1 or 0
     when the caller knows whether G is finite, -1 to check)."""
     fin = all_finite(G) if g_finite < 0 else g_finite == 1
     if sx.use[0] and fin and np.isfinite(spmm(Tt.T, sx.Tt, G, GT)):  # GT <- T^T G = (G T)^T
         spmm(Tt.T, sx.Tt, GT.T, Pf_bar, 1.0, beta)
-        _add_product(GT.T, Pf, gT, 2.0, tmp)
+        if want_T:
+            _add_product(GT.T, Pf, gT, 2.0, tmp)
         return
     matmul(G, Tt, GT)
     matmul(Tt.T, GT, Pf_bar, 1.0, beta)
-    _add_product(GT, Pf, gT, 2.0, tmp)
+    if want_T:
+        _add_product(GT, Pf, gT, 2.0, tmp)
 
 
 @numba.njit(cache=True)
@@ -850,29 +878,31 @@ def rq_vjp(G, Rt, Qt, gR, gQ):
 
 
 @numba.njit(cache=True, inline="always")
-def predict_vjp(a_bar, P_bar, af, Pf, st, gst, sum_rq, Grq, G, W, Pf_bar, af_bar, sx, tmp):
+def predict_vjp(a_bar, P_bar, af, Pf, st, gst, sum_rq, Grq, G, W, Pf_bar, af_bar, sx, tmp, want):
     """Reverse of :func:`predict_mean` and :func:`predict_cov` for the cotangents ``a_bar``,
     ``P_bar`` of ``a'``, ``P'``: ``Pf_bar = T^T G T`` with ``G = sym(P_bar)``, ``af_bar += T^T a_bar``;
-    ``c_bar += a_bar``, ``T_bar += a_bar a_f^T + 2 G T P_f`` and the R, Q cotangents, or
-    ``Grq += G`` when ``sum_rq`` (static R, Q: :func:`rq_vjp` once, on the sum).
+    ``c_bar += a_bar``, ``T_bar += a_bar a_f^T + 2 G T P_f`` (when ``want.T``, :class:`Wanted`) and the R, Q
+    cotangents, or ``Grq += G`` when ``sum_rq`` (static R, Q: :func:`rq_vjp` once, on the sum).
     ``st``/``gst``: the step's matrices and their cotangents (:func:`system_at`), ``sx`` the
     step's :class:`Structure`; ``W``, ``tmp`` scratch."""
     m = af.shape[0]
     fin = sym_finite(P_bar, G)
-    predict_cov_vjp(G, st.T, Pf, gst.T, Pf_bar, 0.0, W, sx, tmp, 1 if fin else 0)
+    predict_cov_vjp(G, st.T, Pf, gst.T, Pf_bar, 0.0, W, sx, tmp, 1 if fin else 0, want.T)
     if sum_rq:
         for i in range(m):
             for l in range(m):
                 Grq[i, l] += G[i, l]
     else:
         rq_vjp(G, st.R, st.Q, gst.R, gst.Q)
-    for i in range(m):  # c_bar += a'_bar; T_bar += a'_bar a_f^T; a_f_bar += T^T a'_bar
+    for i in range(m):  # c_bar += a'_bar; a_f_bar += T^T a'_bar; T_bar += a'_bar a_f^T
         gst.c[i] += a_bar[i]
         s = af_bar[i]
         for l in range(m):
             s += st.T[l, i] * a_bar[l]
-            gst.T[i, l] += a_bar[i] * af[l]
         af_bar[i] = s
+        if want.T:
+            for l in range(m):
+                gst.T[i, l] += a_bar[i] * af[l]
 
 
 @numba.njit(cache=True)

@@ -136,7 +136,9 @@ from iterops.ts._kalman_adjoint import Cotangents, InputCotangents, kalman_adjoi
 from iterops.ts._kalman_diffuse import DiffuseOutputs, diffuse_adjoint, diffuse_filter, diffuse_outputs
 from iterops.ts._kalman_second import adjoint_pullback
 from iterops.ts._kalman_filter import FilterOutputs, filter_into, filter_outputs, kalman_filter_kernel
-from iterops.ts._kalman_steps import AUTO, MULTIVARIATE, UNIVARIATE, Options, System, diagonal, prefers_univariate
+from iterops.ts._kalman_steps import (
+    AUTO, MULTIVARIATE, UNIVARIATE, Options, System, Wanted, diagonal, prefers_univariate,
+)
 
 __all__ = [
     "kalman_filter",
@@ -238,7 +240,8 @@ DIFFUSE_OUTPUTS = Struct(DiffuseOutputs, **FILTER_OUTPUTS.kinds, predicted_inf=3
 
 #: the arguments of each C-ABI kernel below (every one has the signature :data:`iterops._abi.SIGNATURE`)
 FILTER_ABI = Abi(inputs=INPUTS, options=OPTIONS, mode=Struct(Mode, univariate="i", need_F="b"), out=FILTER_OUTPUTS)
-ADJOINT_ABI = Abi(inputs=INPUTS, options=OPTIONS, predicted=MOMENTS, cot=COTANGENTS, grad=INPUT_COTANGENTS)
+ADJOINT_ABI = Abi(inputs=INPUTS, options=OPTIONS, predicted=MOMENTS, cot=COTANGENTS, grad=INPUT_COTANGENTS,
+                  want=Struct(Wanted, T="b", Z="b"))
 DIFFUSE_FILTER_ABI = Abi(inputs=INPUTS, options=OPTIONS, start=Struct(DiffuseStart, P_inf=2, status=1),
                          out=DIFFUSE_OUTPUTS)
 DIFFUSE_ADJOINT_ABI = Abi(inputs=INPUTS, options=OPTIONS, tape=DIFFUSE_OUTPUTS, cot=COTANGENTS,
@@ -365,8 +368,8 @@ def _filter_abi(ptrs, dims, vals):
 def _adjoint_abi(ptrs, dims, vals):
     """C-ABI barrier around :func:`iterops.ts._kalman_adjoint.kalman_adjoint_kernel` (arguments:
     :data:`ADJOINT_ABI`; ``grad`` written).  Returns 0."""
-    x, options, predicted, cot, grad = _adjoint_args(ptrs, dims, vals)
-    kalman_adjoint_kernel(x.y, x.system, options, predicted.state, predicted.cov, cot, grad)
+    x, options, predicted, cot, grad, want = _adjoint_args(ptrs, dims, vals)
+    kalman_adjoint_kernel(x.y, x.system, options, predicted.state, predicted.cov, cot, grad, want)
     return 0.0
 
 
@@ -397,8 +400,11 @@ def _filter_entry(tv: tuple, jitter: float, mv: float, use_mv: bool, univariate=
 
 
 @entry_point
-def _adjoint_entry(tv: tuple, jitter: float, mv: float, use_mv: bool):
+def _adjoint_entry(tv: tuple, jitter: float, mv: float, use_mv: bool, unused: tuple = ()):
+    """Entry point of :class:`KalmanFilterGrad`; the cotangents of the inputs named in ``unused`` (of "T", "Z")
+    are not computed, and come out NaN."""
     abi, pack = _adjoint_abi.external, ADJOINT_ABI.pack
+    skip_T, skip_Z = "T" in unused, "Z" in unused
 
     @numba.njit
     def kalman_filter_grad_fn(*args):
@@ -408,9 +414,13 @@ def _adjoint_entry(tv: tuple, jitter: float, mv: float, use_mv: bool):
         predicted = predictions_of(func, args[10], args[11], x)
         cot = cotangents_of(func, args[12], args[13:], x)
         grad = input_cotangents_like(x, 0.0)
-        ptrs, dims, vals = pack(x, options, predicted, cot, grad)
+        ptrs, dims, vals = pack(x, options, predicted, cot, grad, Wanted(not skip_T, not skip_Z))
         abi(data_ptr(ptrs), data_ptr(dims), data_ptr(vals))
         keep_alive((x, predicted, cot, grad, ptrs, dims, vals))
+        if skip_T:
+            grad.system.T[...] = np.nan
+        if skip_Z:
+            grad.system.Z[...] = np.nan
         return gradient_tuple(grad)
 
     return kalman_filter_grad_fn
@@ -449,7 +459,7 @@ class KalmanOpBase(FusedOp):
 class KalmanFilter(KalmanOpBase):
     """Core Op of :func:`kalman_filter` (see :class:`KalmanOpBase` for the options; ``univariate``:
     ``"auto"``, True or False, the forward's measurement update, :func:`kalman_filter`).
-    ``forecast_cov=False`` (set by the rewrite :func:`kalman_unused_forecast_cov` when nothing uses
+    ``forecast_cov=False`` (set by the rewrite :func:`kalman_unused_outputs` when nothing uses
     the output): univariate steps leave ``forecast_error_cov`` NaN instead of computing it."""
 
     __props__ = (*KalmanOpBase.__props__, "univariate", "forecast_cov")
@@ -508,11 +518,16 @@ class KalmanFilterGrad(KalmanOpBase):
     (the loglik one: 0).  Its pullback (second derivatives) goes through a Scan of the filter,
     :func:`iterops.ts._kalman_second.adjoint_pullback`."""
 
+    __props__ = (*KalmanOpBase.__props__, "unused")
     # cotangent dimensions are their own: a zero-size placeholder matches no other input
     gufunc_signature = (
         ",".join([*IN_SIG, "(n1,m)", "(n1,m,m)", *(_own_dims(s, f"g{i}") for i, s in enumerate(_OUT_SIG))])
         + "->" + ",".join(IN_SIG)
     )
+
+    def __init__(self, time_varying=(False,) * 7, cov_jitter=0.0, missing_value=None, unused=()):
+        super().__init__(time_varying, cov_jitter, missing_value)
+        self.unused = tuple(x for x in _SKIPPABLE if x in unused)
 
     def make_node(self, *inputs):
         inputs = [pt.as_tensor_variable(x) for x in inputs]
@@ -523,23 +538,44 @@ class KalmanFilterGrad(KalmanOpBase):
         return list(input_shapes[:10])
 
     def numba_fn(self, node):
-        return _adjoint_entry(*self._entry_args())
+        return _adjoint_entry(*self._entry_args(), self.unused)
 
     def pullback(self, inputs, outputs, cotangents):
         # second derivatives: exact, through a Scan of the same recursion (iterops.ts._kalman_second)
         return adjoint_pullback(self, inputs, cotangents)
 
 
-@node_rewriter([Blockwise, KalmanFilter])
-def kalman_unused_forecast_cov(fgraph, node):
-    """A :class:`KalmanFilter` whose ``forecast_error_cov`` nothing uses becomes one with
-    ``forecast_cov=False``: its univariate steps skip ``F = Z P Z^T + H`` (O(p m^2 + p^2 m) per step,
-    the multivariate update's cost the univariate one avoids); the other outputs are unchanged."""
-    core = node.op.core_op if isinstance(node.op, Blockwise) else node.op
-    if type(core) is not KalmanFilter or not core.forecast_cov or fgraph.clients[node.outputs[7]]:
+#: the inputs whose cotangents :class:`KalmanFilterGrad` can leave out (``unused``): each costs O(m^3) (T) or
+#: O(m^2) (Z) per step; the others cost O(m) per step or are computed once
+_SKIPPABLE = ("T", "Z")
+
+
+@node_rewriter([Blockwise, KalmanFilter, KalmanFilterGrad])
+def kalman_unused_outputs(fgraph, node):
+    """Kalman Ops leave out the work of outputs nothing in the graph reads; every other output is unchanged.
+
+    * :class:`KalmanFilter` whose ``forecast_error_cov`` is unused gets ``forecast_cov=False``: its univariate
+      steps skip ``F = Z P Z^T + H`` (O(p m^2 + p^2 m) per step, the multivariate update's cost the univariate
+      one avoids).
+    * :class:`KalmanFilterGrad` whose cotangent of ``T`` (or ``Z``) is unused gets ``unused=("T", ...)``: its
+      reverse steps skip ``T_bar += 2 G T P_f`` (a dense m^3 product per step, most of a structural model's
+      reverse step) or the m^2 terms of ``Z_bar``; those outputs come out NaN.  A PyMC model whose ``T`` and
+      ``Z`` hold no free parameter never reads them."""
+    blockwise = isinstance(node.op, Blockwise)
+    core = node.op.core_op if blockwise else node.op
+    if type(core) is KalmanFilter:
+        if not core.forecast_cov or fgraph.clients[node.outputs[7]]:
+            return None
+        new = KalmanFilter(core.time_varying, core.cov_jitter, core.missing_value, core.univariate,
+                           forecast_cov=False)
+    elif type(core) is KalmanFilterGrad:
+        unused = tuple(x for x in _SKIPPABLE if not fgraph.clients[node.outputs[INPUT_NAMES.index(x)]])
+        if set(unused) <= set(core.unused):
+            return None
+        new = KalmanFilterGrad(core.time_varying, core.cov_jitter, core.missing_value, (*core.unused, *unused))
+    else:
         return None
-    new = KalmanFilter(core.time_varying, core.cov_jitter, core.missing_value, core.univariate, forecast_cov=False)
-    outs = (Blockwise(new) if isinstance(node.op, Blockwise) else new)(*node.inputs, return_list=True)
+    outs = (Blockwise(new) if blockwise else new)(*node.inputs, return_list=True)
     copy_stack_trace(node.outputs, outs)
     return outs
 
@@ -941,7 +977,7 @@ def kalman_filter(
         multivariate filter's to rounding (``cov_jitter`` and missing components included), and both
         fail (``-inf``) at the same steps, since the univariate variances are the pivots of
         ``F_oo = L D L^T``.  When nothing uses ``forecast_error_cov`` (a graph rewrite,
-        :func:`kalman_unused_forecast_cov`, sees it), univariate steps do not compute it (it holds NaN
+        :func:`kalman_unused_outputs`, sees it), univariate steps do not compute it (it holds NaN
         there); otherwise they compute it, at the cost of the multivariate ``Z P Z^T``.  ``"auto"``
         takes the univariate update where it is faster (:func:`_choose_update`, the kernel's rule:
         ``p >= 2`` and ``m <= 16``, or ``p >= 5 m / 6`` when ``forecast_error_cov`` is used; measured in
