@@ -129,4 +129,32 @@ def run(quick: bool) -> list[Section]:
                                      compile_ratio if impl == "iterops" else 1.0])
             section.targets.append(Target(f"{name} ({sampler}): bulk ESS/s, iterops / scan", float(ess_ratio), 10.0))
         section.targets.append(Target(f"{name}: logp+dlogp compile time, scan / iterops", float(compile_ratio), 5.0))
-    return [section]
+    return [section, run_structural_nutpie(quick)]
+
+
+def run_structural_nutpie(quick: bool = False) -> Section:
+    """pymc-extras' level + trend + 12-month seasonal model (13 states, :func:`benchmarks.bench_fusion._structural_model`)
+    sampled with ``pm.sample``'s default NUTS (nutpie), with and without iterops' rewrites, in one process."""
+    from benchmarks.bench_fusion import _structural_model
+
+    draws, tune, chains = (200, 200, 2) if quick else (500, 500, 2)
+    n = 240
+    section = Section(
+        title="PyMC + nutpie: pymc-extras structural model (level + trend + seasonal(12)), with vs without iterops",
+        columns=["implementation", "compile (s)", "sampling (s)", "sampling per leapfrog step, est. (us)",
+                 "min bulk ESS", "ESS/s", "ESS/s ratio"],
+        notes=(f"- n = {n} monthly observations, 4 missing; {chains} chains x ({tune} tune + {draws} draws) with "
+               "`pm.sample()`'s default sampler (nutpie). \"without\": iterops' rewrites off, pymc-extras' Scan.\n"
+               "- Compile: the rest of `pm.sample`'s wall time; ESS/s over the sampler's own sampling time."),
+    )
+    res = {}
+    for impl in ("iterops", "scan"):
+        idata, c_s, s_s, ess = demo.fit(_structural_model(n), sampler="nutpie", draws=draws, tune=tune,
+                                        chains=chains, cores=chains, seed=1, progressbar=False,
+                                        fusion=impl == "iterops")
+        res[impl] = (c_s, s_s, _us_per_step(idata, s_s, chains, tune, draws), ess, ess / s_s)
+    ratio = res["iterops"][4] / res["scan"][4]
+    for impl in ("iterops", "scan"):
+        section.rows.append([impl, *res[impl], ratio if impl == "iterops" else 1.0])
+    section.targets.append(Target("structural (nutpie): bulk ESS/s, iterops / scan", float(ratio), 8.0))
+    return section

@@ -295,8 +295,11 @@ def test_structured_gradient_matches_autodiff_of_pymc_extras(kind):
     assert np.count_nonzero(out_ours[5][model["T"] == 0.0]) > 0
 
 
-@pytest.mark.parametrize("wrt", [("a0", "H", "Q"), ("T", "Q"), ("Z", "H"), ("T", "Z", "P0")])
-def test_gradient_of_a_few_inputs_matches_autodiff_of_pymc_extras(wrt):
+@pytest.mark.parametrize("kind, n, wrt", [
+    ("structural", 40, ("a0", "H", "Q")), ("structural", 40, ("T", "Q")), ("structural", 40, ("Z", "H")),
+    ("structural", 40, ("T", "Z", "P0")), ("sarimax", 150, ("a0", "P0", "H", "Q")),  # with a steady stretch
+])
+def test_gradient_of_a_few_inputs_matches_autodiff_of_pymc_extras(kind, n, wrt):
     """PyMC's gradient reads the cotangents of its parameters only: here T or Z (or both) are not among them,
     and the rewrite ``kalman_unused_outputs`` has the reverse pass leave their cotangents out (T's is a dense
     m^3 product per step).  What is read matches autodiff of pymc-extras' Scan."""
@@ -304,7 +307,7 @@ def test_gradient_of_a_few_inputs_matches_autodiff_of_pymc_extras(wrt):
 
     from iterops.ts.kalman import KalmanFilterGrad
 
-    model = structured_model("structural", 40, seed=4)
+    model = structured_model(kind, n, seed=4, missing=kind == "structural")
     ins = plain_inputs()
     xs = [ins[INPUTS.index(k)] for k in wrt]
     ours = call_filter(ins, cov_jitter=1e-8, missing_value=-9999.0).loglik
@@ -316,6 +319,9 @@ def test_gradient_of_a_few_inputs_matches_autodiff_of_pymc_extras(wrt):
     grads = [op for op in grads if type(op) is KalmanFilterGrad]
     assert len(grads) == 1 and set(grads[0].unused) == {"T", "Z"} - set(wrt)
     out_ours, out_theirs = fn_ours(*model_args(model)), fn_theirs(*model_args(model))
+    if kind == "sarimax":  # the reverse takes a steady stretch's path
+        Pp = call_filter([pt.as_tensor(x) for x in model_args(model)], cov_jitter=1e-8).predicted_cov.eval()
+        assert (Pp[1:] == Pp[:-1]).all(axis=(1, 2)).sum() > 20
     np.testing.assert_allclose(out_ours[0], out_theirs[0], rtol=1e-9)
     for name, g_ours, g_theirs in zip(wrt, out_ours[1:], out_theirs[1:]):
         if name in ("P0", "H", "Q"):  # read through sym() by us, raw by the Scan: compare symmetric parts

@@ -26,11 +26,11 @@ import numba
 import numpy as np
 
 from iterops._fused import keep_alive
-from iterops._linalg_kernels import borrowed, carve, cho_inverse, congruence, copy_into, matmul, sym_into
+from iterops._linalg_kernels import all_finite, borrowed, carve, cho_inverse, congruence, copy_into, matmul, sym_into
 from iterops.linalg.lyapunov import _doubling
 from iterops.ts._kalman_steps import (
     System, closed_loop, find_structure, fully_observed, innovation, loglik, loglik_vjp, observe, observe_vjp,
-    predict_cov_vjp, predict_vjp, reverse_work, rq_vjp, static_cov, static_rq, structure, system_at, ti,
+    gain_one, predict_cov_vjp, predict_vjp, reverse_work, rq_vjp, static_cov, static_rq, structure, system_at, ti,
     update_cov, update_mean, update_vjp, update_vjp_one, update_work, varies_over_time,
 )
 
@@ -109,7 +109,8 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad, want):
     recomputed from them.  ``cot``: :class:`Cotangents` of the outputs.  Writes the cotangents
     of the inputs into ``grad`` (:class:`InputCotangents`); all NaN if the forward pass failed.  ``want``
     (:class:`iterops.ts._kalman_steps.Wanted`): the per-step terms of T's and Z's cotangents are computed
-    only where True (else those cotangents are not meaningful; the entry point fills them with NaN).
+    only where True (else those cotangents are not meaningful; the entry point fills them with NaN); with
+    neither, a one-observable step recomputes only its gain (:func:`~iterops.ts._kalman_steps.gain_one`).
 
     Steady stretches (see :func:`_steady_adjoint_run`) take a cheaper path (static
     ``T, Z, R, H, Q``, any ``cov_jitter``); every other step recomputes its update and reverses its stages, the
@@ -146,12 +147,13 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad, want):
     sx, sx_own = structure(m, p)  # as in the forward filter
     find_structure(system.T[0], system.Z[0], sx)
     restructure = system.T.shape[0] > 1 or system.Z.shape[0] > 1
+    gain_only = p == 1 and not want.T and not want.Z  # a one-observable step recomputes its gain only
     t = n - 1
     while t >= 0:
         if cached and fully_observed(y, t, options) and _row_same(Pp, t, Pp[t + 1]):
             copy_into(Pp[t + 1], cache.P)
             _steady_cache(system.T[0], Zo, cache)  # the work arrays still hold cache.P's update
-            t = _steady_adjoint_run(t, tape, system, options, cot, grad, state, cache, sx)
+            t = _steady_adjoint_run(t, tape, system, options, cot, grad, state, cache, sx, want)
             continue
         if vary:
             st, gst = system_at(system, t), system_at(grad.system, t)
@@ -159,7 +161,10 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad, want):
                 find_structure(st.T, st.Z, sx)
         a = ap[t]
         k = observe(a, y[t], st.d, st.Z, options, v, obs)
-        ok, logdet = update_cov(Pp[t], st.Z, st.H, jitter, k, ws, F, Pf, sx)
+        if gain_only and k == 1 and t > 0:  # P_t exactly symmetric; P_f and sym(P_t) feed only T's, Z's cotangents
+            ok, logdet = gain_one(Pp[t], all_finite(Pp[t]), st.Z, st.H, jitter, ws, F, sx)
+        else:
+            ok, logdet = update_cov(Pp[t], st.Z, st.H, jitter, k, ws, F, Pf, sx)
         if not ok:
             _fill(grad, np.nan)
             grad.a0[:] = np.nan
@@ -317,7 +322,7 @@ _MAX_JITTER_SWEEPS = 12
 
 
 @numba.njit(cache=True)
-def _steady_adjoint_run(t, tape, system, options, cot, grad, state, cache, sx):
+def _steady_adjoint_run(t, tape, system, options, cot, grad, state, cache, sx, want):
     """Backward steps t, t-1, ..., s0 of a steady stretch: static system, every component
     observed and ``P_s`` (``tape``: :class:`_Tape`) bitwise ``cache.P``, whose update is ``cache``
     (:class:`_SteadyCache`).  ``state`` (:class:`_ReverseState`): ``abar, Pbar`` the cotangents of
@@ -362,7 +367,7 @@ def _steady_adjoint_run(t, tape, system, options, cot, grad, state, cache, sx):
     if not exact:
         G = _steady_lyapunov_rhs(stretch, system.Z[0], cache, cot, E, Pbar, sw, sums)
         copy_into(_steady_gs(cache, G), sums.Gs)
-    _steady_flush(system, grad.system, cache, sums, state.Grq, sx)
+    _steady_flush(system, grad.system, cache, sums, state.Grq, sx, want.T)
     keep_alive(sw_own)
     return s0 - 1
 
@@ -534,7 +539,7 @@ def _steady_lyapunov_rhs(stretch, Zt, cache, cot, E, Pbar, sw, sums):
 
 
 @numba.njit(cache=True, inline="always")
-def _steady_flush(system, gsystem, cache, sums, Grq, sx):
+def _steady_flush(system, gsystem, cache, sums, Grq, sx, want_T):
     """Add the covariance-path parameter cotangents of a steady stretch (the sums of
     :func:`_steady_adjoint_run`) to ``gsystem`` (static: row 0): the predict reverse with ``G = Gs`` (its
     R/Q part through ``Grq += Gs``, applied once by the caller); with ``S = T^T Gs T + Ss``:
@@ -547,7 +552,7 @@ def _steady_flush(system, gsystem, cache, sums, Grq, sx):
     p = Zt.shape[0]
     Gs, Ss, Xs, Ms = sums
     P, K, Pf, j = cache.P, cache.K, cache.Pf, cache.j
-    predict_cov_vjp(Gs, Tt, Pf, gT, Ss, 1.0, np.empty((m, m)), sx, np.empty((m, m)))  # Ss <- S
+    predict_cov_vjp(Gs, Tt, Pf, gT, Ss, 1.0, np.empty((m, m)), sx, np.empty((m, m)), -1, want_T)  # Ss <- S
     Psum = np.empty((m, m))
     for i in range(m):
         for l in range(m):

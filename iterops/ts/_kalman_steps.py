@@ -69,7 +69,7 @@ __all__ = [
     "LOG_2PI", "System", "Options", "Wanted", "UpdateWork", "update_work", "ReverseWork", "reverse_work", "Structure",
     "structure", "find_structure", "ti", "system_at",
     "static_cov", "varies_over_time", "static_rq", "missing", "fully_observed", "observe", "innovation",
-    "observe_vjp", "update_cov", "update_one", "update_vjp_one", "MULTIVARIATE", "AUTO", "UNIVARIATE",
+    "observe_vjp", "update_cov", "update_one", "gain_one", "update_vjp_one", "MULTIVARIATE", "AUTO", "UNIVARIATE",
     "prefers_univariate", "diagonal",
     "update_univariate", "update_mean", "update_vjp", "loglik", "loglik_vjp", "predict_mean", "rqr",
     "predict_cov", "predict_cov_vjp", "rq_vjp", "predict_vjp", "closed_loop",
@@ -422,6 +422,31 @@ def update_one(Ps, finite, Zt, Ht, jitter, ws, F, Pf, sx):
     :class:`UpdateWork` of the general update; ``ws.Ps`` is not touched).  Returns
     ``(ok, log f, Pf finite)``; not ok when f is not positive and finite (as the Cholesky)."""
     m = Ps.shape[0]
+    M = ws.M
+    ok, logf = gain_one(Ps, finite, Zt, Ht, jitter, ws, F, sx)
+    if not ok:
+        return False, np.nan, False
+    f = F[0, 0]
+    u = flat(M, m)  # M[:, 0] (p = 1), as a contiguous vector
+    c = (1.0 + jitter / f) / f
+    fin = True
+    for l in range(m):
+        ul = u[l]
+        for q in range(m):
+            x = Ps[l, q] - c * (ul * u[q])
+            Pf[l, q] = x
+            fin &= abs(x) <= FLOAT_MAX
+        Pf[l, l] += jitter
+    return True, logf, fin and np.isfinite(m * jitter)
+
+
+@numba.njit(cache=True)
+def gain_one(Ps, finite, Zt, Ht, jitter, ws, F, sx):
+    """The gain part of :func:`update_one` (``u = Ps z^T``, ``f``, ``K = u / f``; writes ``F``, ``M[:, 0] = u``,
+    ``K[:, 0]``, ``Zo[0] = z``, ``L[0, 0] = sqrt(f)``), without ``P_f``: what a reverse step that needs
+    neither ``P_f`` nor ``sym(P)`` recomputes (:func:`iterops.ts._kalman_adjoint.kalman_adjoint_kernel`).
+    Returns ``(ok, log f)``."""
+    m = Ps.shape[0]
     _, _, _, Zo, M, L, K, _ = ws
     sparse = sx.use[1] and finite
     nz = sx.Z[0, 0] if sparse else m
@@ -439,21 +464,11 @@ def update_one(Ps, finite, Zt, Ht, jitter, ws, F, Pf, sx):
     f += jitter
     F[0, 0] = f
     if not (f > 0.0) or not np.isfinite(f):
-        return False, np.nan, False
+        return False, np.nan
     L[0, 0] = np.sqrt(f)
-    u = flat(M, m)  # M[:, 0] (p = 1), as a contiguous vector
     for l in range(m):
         K[l, 0] = M[l, 0] / f
-    c = (1.0 + jitter / f) / f
-    fin = True
-    for l in range(m):
-        ul = u[l]
-        for q in range(m):
-            x = Ps[l, q] - c * (ul * u[q])
-            Pf[l, q] = x
-            fin &= abs(x) <= FLOAT_MAX
-        Pf[l, l] += jitter
-    return True, np.log(f), fin and np.isfinite(m * jitter)
+    return True, np.log(f)
 
 
 #: ``univariate`` modes of the forward filter (the ``kalman_filter`` option): never, by the rule, always
