@@ -49,7 +49,13 @@ LINKER_MODES = ["NUMBA", "CVM", "FAST_COMPILE"]
 
 class _PythonThunksMaker(FunctionMaker):
     """Links every thunk as Python: ``cxx=""`` while linking reaches the Scans' inner functions too
-    (``Scan.link_mode`` links them with C thunks whatever the outer linker)."""
+    (``Scan.link_mode`` links them with C thunks whatever the outer linker).  ``cxx=""`` while rewriting
+    too: elemwise fusion then keeps each fused node within the 32 operands ``Elemwise.perform`` (NumPy
+    ufuncs) can take; Numba itself has no such limit."""
+
+    def __init__(self, *args, **kwargs):
+        with pytensor.config.change_flags(cxx=""):
+            super().__init__(*args, **kwargs)
 
     def create(self, *args, **kwargs):
         with pytensor.config.change_flags(cxx=""):

@@ -292,6 +292,108 @@ def test_kalman_hessian_vector_product_is_a_few_filter_passes(rng):
     np.testing.assert_allclose(f(KALMAN_X0, v0), fd, rtol=0, atol=1e-6 * np.max(np.abs(fd)))
 
 
+def _one_observable_kalman(y, th):
+    """A 2-state model with one observable (F is 1 x 1); ``th``: T's first row, sigma_eta, sigma_eps."""
+    T = pt.stack([th[:2], pt.as_tensor([1.0, 0.0])])
+    return ts.kalman_filter(y, pt.zeros(2), pt.eye(2), T=T, Z=pt.as_tensor([[1.0, 0.0]]),
+                            R=pt.as_tensor([[1.0], [0.0]]), H=pt.reshape(th[3] ** 2, (1, 1)),
+                            Q=pt.reshape(th[2] ** 2, (1, 1))).loglik
+
+
+def test_kalman_second_derivative_scans_keep_static_shapes():
+    """The Scans of the adjoint's pullback keep every static core shape of their inputs.  Where one was lost
+    (a ``(?, ?)`` that is 1 x 1), Numba-mode rewrites turned an ``X + X^T`` of that type into an Elemwise
+    with no array input, which the Numba backend cannot compile (a structural model's ``d2logp`` raised
+    ``IndexError`` in PyTensor's vectorize codegen; the compiled check is the slow test below)."""
+    from pytensor.graph.traversal import applys_between, vars_between  # noqa: PLC0415
+    from pytensor.scan.op import Scan  # noqa: PLC0415
+
+    y = pt.tensor("y", shape=(None, 1))
+    th, v = pt.vector("th", shape=(4,)), pt.vector("v", shape=(4,))
+    hvp = hessian_vector_product(_one_observable_kalman(y, th), th, v)
+
+    def scans(ins, outs):  # Scans, bare or as the core of a Blockwise (the filter's Op is batched)
+        ops = (getattr(node.op, "core_op", node.op) for node in applys_between(ins, outs))
+        return [op for op in ops if isinstance(op, Scan)]
+
+    def unknown(ins, outs, where):
+        found = []
+        for op in scans(ins, outs):
+            inner_in, inner_out = op.inner_inputs, op.inner_outputs
+            # the Scans' per-step variables: every core dimension is static (m = 2, p = r = 1)
+            found += [(where, str(x.owner.op) if x.owner else x, x.type.shape)
+                      for x in vars_between(inner_in, inner_out) if None in getattr(x.type, "shape", ())]
+            found += unknown(inner_in, inner_out, where + " > Scan")
+        return found
+
+    assert len(scans([y, th, v], [hvp])) >= 2  # the filter's Scan and its reverse
+    bad = unknown([y, th, v], [hvp], "Scan")
+    assert not bad, bad[:10]
+
+
+@pytest.mark.slow  # a cold Numba compile of the filter's Scan, its reverse, and their reverse (minutes)
+def test_kalman_hessian_vector_product_with_one_observable_compiles_under_numba(rng):
+    """The default (Numba) mode, not ``perform``: equal to central differences of the gradient."""
+    y = rng.normal(size=(10, 1))
+    y[4] = np.nan
+    th, v = pt.vector("th", shape=(4,)), pt.vector("v", shape=(4,))
+    cost = _one_observable_kalman(y, th)
+    f = pytensor.function([th, v], hessian_vector_product(cost, th, v))
+    fg = pytensor.function([th], pytensor.grad(cost, th))
+    x0, v0, eps = np.array([0.5, -0.2, 1.0, 0.6]), rng.normal(size=4), 1e-5
+    fd = (fg(x0 + eps * v0) - fg(x0 - eps * v0)) / (2 * eps)
+    np.testing.assert_allclose(f(x0, v0), fd, rtol=0, atol=1e-6 * np.max(np.abs(fd)))
+
+
+def _structural_model(n=20):
+    """pymc-extras' local linear trend + seasonal (4) + measurement error, its filter Scan fused on ``import
+    iterops`` (``P0 = 10 I``)."""
+    import pymc as pm  # noqa: PLC0415
+    from pymc_extras.statespace import structural as st  # noqa: PLC0415
+
+    y = _local_level_data(n)[:, None]
+    ss = (st.LevelTrendComponent(order=2, innovations_order=[1, 1])
+          + st.TimeSeasonality(season_length=4, innovations=True, name="seasonal")
+          + st.MeasurementError()).build(verbose=False)
+    with pm.Model(coords=ss.coords) as model:
+        pm.Deterministic("P0", pt.eye(ss.k_states) * 10, dims=ss.param_dims["P0"])
+        for name in ss.param_names:
+            if name.startswith("sigma"):
+                pm.HalfNormal(name, dims=ss.param_dims.get(name))
+            elif name != "P0":
+                pm.Normal(name, dims=ss.param_dims.get(name))
+        ss.build_statespace_graph(y)
+    return model
+
+
+@pytest.mark.slow  # a cold Numba compile of d2logp: the Hessian's Jacobian Scan around the filter's Scans (minutes)
+def test_structural_model_d2logp_compiles_under_numba():
+    """A pymc-extras structural model fused by the rewrite: ``compile_d2logp`` in the default (Numba) mode
+    equals central differences of its ``dlogp``."""
+    import warnings  # noqa: PLC0415
+
+    warnings.simplefilter("ignore")
+    model = _structural_model()
+    point = model.initial_point()
+    d2logp = model.compile_d2logp()  # the default mode: Numba
+    dlogp = model.compile_dlogp(mode=RUN)
+    assert not _has_scan(model, fused=True)
+    names = [v.name for v in model.continuous_value_vars]
+    sizes = [np.size(point[k]) for k in names]
+    x0 = np.concatenate([np.ravel(point[k]) + 0.1 for k in names])
+
+    def unravel(x):
+        parts = np.split(x, np.cumsum(sizes)[:-1])
+        return {k: np.reshape(p, np.shape(point[k])) for k, p in zip(names, parts)}
+
+    H = d2logp(unravel(x0))
+    eps = 1e-5
+    fd = np.stack([(dlogp(unravel(x0 + eps * e)) - dlogp(unravel(x0 - eps * e))) / (2 * eps)
+                   for e in np.eye(len(x0))], axis=1)
+    # PyMC's d2logp is the Hessian of -logp
+    np.testing.assert_allclose(H, -fd, rtol=0, atol=2e-6 * np.max(np.abs(fd)))
+
+
 # ---------------------------------------------------------------------------
 # JAX: PyTensor's Hessian graph under mode="JAX", and JAX's own reverse-over-reverse
 # ---------------------------------------------------------------------------

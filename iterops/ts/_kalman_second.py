@@ -16,9 +16,11 @@ Exact, not fused: it costs what ``pytensor.hessian`` of that Scan costs (one Sca
 gradient Scan, and their reverse).  ``ap, Pp`` (the stored predictions the adjoint reads) are
 functions of ``x`` already counted through ``x``: their cotangent is zero.
 
-Failure is a value as in the filter: where ``F[o, o]`` is not positive definite the Cholesky is NaN
-and so is the second derivative.  Not covered: the exact diffuse filter's adjoint (its pullback
-raises ``NotImplementedError``, :func:`iterops._second_order.not_twice_differentiable`).
+Failure is a value as in the filter: where ``F[o, o]`` is not positive definite (its Cholesky is NaN)
+the second derivative is NaN.  ``F[o, o]^{-1}`` and ``log det F[o, o]`` are taken by inverse and
+determinant, whose pullbacks keep static shapes (comment in :func:`_step`).  Not covered: the exact
+diffuse filter's adjoint (its pullback raises ``NotImplementedError``,
+:func:`iterops._second_order.not_twice_differentiable`).
 
 Code map: :func:`filter_graph` (the Scan), :func:`adjoint_pullback` (the pullback).
 """
@@ -28,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
-from pytensor.gradient import DisconnectedType
+from pytensor.gradient import DisconnectedType, disconnected_grad
 
 from iterops._second_order import reverse_twice
 
@@ -49,13 +51,19 @@ def _step(y, o, a, P, c, d, T, Z, R, H, Q, jitter):
     S = _sym(P)
     v = y - d - Z @ a
     F = Z @ S @ Z.T + _sym(H) + jitter * pt.eye(p)
-    # F[o, o] with ones on the missing diagonal: the Cholesky, solves and log-determinant of F_oo
+    # F[o, o] with ones on the missing diagonal: the inverse and log-determinant of F_oo
     F_oo = pt.switch(pt.outer(o, o) > 0, F, 0.0) + pt.diag(1.0 - o)
     v_o = pt.switch(o > 0, v, 0.0)
-    L = pt.linalg.cholesky(F_oo)
+    # F_oo^{-1} and log det F_oo by inverse and determinant, not by Cholesky: PyTensor's Cholesky pullback
+    # (tril through arange masks, diag(diagonal)) drops static shapes, and where p = 1 its rewrites then
+    # scalarize an ``X + X^T`` whose declared type is (?, ?): an Elemwise with no array input, which the Numba
+    # backend cannot compile.  Inverse and determinant pullbacks are products: static shapes kept.
+    # failure is a value: NaN where F_oo is not positive definite, as the filter's (the Cholesky only tests it)
+    pd = pt.all(pt.isfinite(pt.diag(pt.linalg.cholesky(disconnected_grad(F_oo)))))
+    F_inv = pt.linalg.inv(F_oo) * pt.switch(pd, 1.0, np.nan)
     M = S @ (Z * o[:, None]).T  # (m, p), zero columns where missing
-    Kt = pt.linalg.cho_solve((L, True), M.T)  # K^T = F_oo^{-1} M^T
-    ll = -0.5 * (pt.sum(o) * LOG_2PI + 2.0 * pt.sum(pt.log(pt.diag(L))) + v_o @ pt.linalg.cho_solve((L, True), v_o))
+    Kt = F_inv @ M.T  # K^T = F_oo^{-1} M^T
+    ll = -0.5 * (pt.sum(o) * LOG_2PI + pt.log(pt.linalg.det(F_oo)) + v_o @ F_inv @ v_o)
     a_f = a + Kt.T @ v_o
     P_f = S - Kt.T @ M.T - jitter * (Kt.T @ Kt) + jitter * pt.eye(m)
     a_next = T @ a_f + c
