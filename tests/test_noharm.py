@@ -303,3 +303,28 @@ def test_pymc_extras_filter_gradients_compile_as_without_iterops(kind, monkeypat
     off = _rewritten(*_pmx_filter_grad(kind), iterops=False)
     assert sum(fired.values()) == 0
     assert _graph_ops(on) == _graph_ops(off)
+
+
+#: the Kalman-shaped steps of each filter's gradient graph that pass every cheap pre-check (they hold a
+#: Cholesky factorization, as pymc-extras' filter the ``kalman_pymc_extras`` pattern matches): each is
+#: canonicalized as written and with its constants lifted
+_KALMAN_SHAPED_STEPS = {"convergent": 2, "univariate": 0}
+
+
+@pytest.mark.parametrize("kind", ["convergent", "univariate"])
+def test_pymc_extras_filter_gradients_canonicalize_each_step_once(kind, monkeypatch):
+    """pymc-extras' filters with their gradients (not fused): the matcher canonicalizes only the steps that
+    can match a pattern, each once per process, not again when the same graph is built and compiled anew
+    (PyMC compiles a model's logp and dlogp, benchmarks compile a graph several times).  The univariate
+    filter's steps are ruled out before canonicalizing: its outer step's states read a nested loop (a Scan,
+    which no pattern's step holds) and its inner step has no linear-algebra operation (every Kalman pattern
+    factors or inverts a covariance).  Counted, not timed."""
+    with _Spy(monkeypatch) as spy:
+        first = _rewritten(*_pmx_filter_grad(kind), iterops=True)
+        n_first = spy.calls["_canonical_user_graph"]
+        second = _rewritten(*_pmx_filter_grad(kind), iterops=True)
+    assert n_first <= 2 * _KALMAN_SHAPED_STEPS[kind]
+    assert spy.calls["_canonical_user_graph"] == n_first  # the same steps again: nothing canonicalized
+    assert spy.calls["_identify"] == 0
+    assert spy.exceptions == []
+    assert _graph_ops(first) == _graph_ops(second)
