@@ -328,3 +328,26 @@ def test_pymc_extras_filter_gradients_canonicalize_each_step_once(kind, monkeypa
     assert spy.calls["_identify"] == 0
     assert spy.exceptions == []
     assert _graph_ops(first) == _graph_ops(second)
+
+
+def test_pre_check_families_are_held_by_every_canonical_reference_step():
+    """The Op families the matcher's pre-check requires of a step before canonicalizing it (read off each
+    pattern's raw reference steps) are held by every canonicalized reference variant, on every ``one_of``
+    alternative, in its state updates and stop rule: a step that unifies with a reference holds them, so the
+    pre-check turns away no step the full matcher would match.  Oracle: the canonical reference graphs."""
+    import pymc  # noqa: F401, PLC0415  (the pm.logp variants of the textbook patterns are built when PyMC is imported)
+
+    from iterops.fusion.matcher import _needed_families, _reference_facts
+    from iterops.fusion.registry import Rejection
+    from iterops.fusion.unify import _ref_graph
+
+    required = {}
+    for pattern in PATTERNS.values():
+        needs = required[pattern.name] = _reference_facts(pattern).needs
+        for variant in range(len(pattern.step)):
+            ref = _ref_graph(pattern, variant, "float64")
+            assert not isinstance(ref, Rejection), (pattern.name, variant, ref)
+            held = _needed_families([*ref.updates, *([ref.cond] if ref.cond is not None else [])], ref.role_of)
+            assert needs <= held, (pattern.name, variant, needs, held)
+    # the pre-check filters the Kalman-shaped steps: every Kalman pattern factors or inverts a covariance
+    assert all("linear algebra" in required[n] for n in PATTERNS if n.startswith("kalman"))
