@@ -344,16 +344,17 @@ def _static_reject(sig: _Signature, pattern: Pattern) -> Rejection | None:
     seq_roles = len(pattern.sequences) + sum(r.time_varying_ok for r in pattern.non_sequences)
     if sig.n_seqs_read > seq_roles:
         return Rejection(f"the step's states read {sig.n_seqs_read} sequence(s), the pattern at most {seq_roles}", 0.0)
-    facts = _reference_facts(pattern)
-    if sig.as_while not in facts.stops:
-        return (Rejection("the loop has an until stop the pattern does not have", 0.5) if sig.as_while else
-                Rejection("the loop has no convergence stop (until) where the pattern needs one", 0.5))
     have = Counter(sig.state_ndims)
     for ndim, k in Counter(r.ndim for r in pattern.states).items():
         if have[ndim] < k:
             return Rejection(f"needs {k} state(s) of ndim {ndim}, the loop has {have[ndim]}", 0.0)
     if pattern.needs_ops and not set(pattern.needs_ops) & sig.op_names and not sig.op_names & _MAY_BECOME:
         return Rejection(f"the step has none of the operations {', '.join(pattern.needs_ops)}", 0.0)
+    # the checks above cost nothing; those below read the pattern's reference steps (built once per process)
+    facts = _reference_facts(pattern)
+    if sig.as_while not in facts.stops:
+        return (Rejection("the loop has an until stop the pattern does not have", 0.5) if sig.as_while else
+                Rejection("the loop has no convergence stop (until) where the pattern needs one", 0.5))
     if facts.needs - sig.families:
         return Rejection(f"the step has no {' or '.join(sorted(facts.needs - sig.families))} operation, which "
                          "every step of the pattern holds", 0.0)
