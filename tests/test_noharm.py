@@ -303,3 +303,51 @@ def test_pymc_extras_filter_gradients_compile_as_without_iterops(kind, monkeypat
     off = _rewritten(*_pmx_filter_grad(kind), iterops=False)
     assert sum(fired.values()) == 0
     assert _graph_ops(on) == _graph_ops(off)
+
+
+#: the Kalman-shaped steps of each filter's gradient graph that pass every cheap pre-check (they hold a
+#: Cholesky factorization, as pymc-extras' filter the ``kalman_pymc_extras`` pattern matches): each is
+#: canonicalized as written and with its constants lifted
+_KALMAN_SHAPED_STEPS = {"convergent": 2, "univariate": 0}
+
+
+@pytest.mark.parametrize("kind", ["convergent", "univariate"])
+def test_pymc_extras_filter_gradients_canonicalize_each_step_once(kind, monkeypatch):
+    """pymc-extras' filters with their gradients (not fused): the matcher canonicalizes only the steps that
+    can match a pattern, each once per process, not again when the same graph is built and compiled anew
+    (PyMC compiles a model's logp and dlogp, benchmarks compile a graph several times).  The univariate
+    filter's steps are ruled out before canonicalizing: its outer step's states read a nested loop (a Scan,
+    which no pattern's step holds) and its inner step has no linear-algebra operation (every Kalman pattern
+    factors or inverts a covariance).  Counted, not timed."""
+    with _Spy(monkeypatch) as spy:
+        first = _rewritten(*_pmx_filter_grad(kind), iterops=True)
+        n_first = spy.calls["_canonical_user_graph"]
+        second = _rewritten(*_pmx_filter_grad(kind), iterops=True)
+    assert n_first <= 2 * _KALMAN_SHAPED_STEPS[kind]
+    assert spy.calls["_canonical_user_graph"] == n_first  # the same steps again: nothing canonicalized
+    assert spy.calls["_identify"] == 0
+    assert spy.exceptions == []
+    assert _graph_ops(first) == _graph_ops(second)
+
+
+def test_pre_check_families_are_held_by_every_canonical_reference_step():
+    """The Op families the matcher's pre-check requires of a step before canonicalizing it (read off each
+    pattern's raw reference steps) are held by every canonicalized reference variant, on every ``one_of``
+    alternative, in its state updates and stop rule: a step that unifies with a reference holds them, so the
+    pre-check turns away no step the full matcher would match.  Oracle: the canonical reference graphs."""
+    import pymc  # noqa: F401, PLC0415  (the pm.logp variants of the textbook patterns are built when PyMC is imported)
+
+    from iterops.fusion.matcher import _needed_families, _reference_facts
+    from iterops.fusion.registry import Rejection
+    from iterops.fusion.unify import _ref_graph
+
+    required = {}
+    for pattern in PATTERNS.values():
+        needs = required[pattern.name] = _reference_facts(pattern).needs
+        for variant in range(len(pattern.step)):
+            ref = _ref_graph(pattern, variant, "float64")
+            assert not isinstance(ref, Rejection), (pattern.name, variant, ref)
+            held = _needed_families([*ref.updates, *([ref.cond] if ref.cond is not None else [])], ref.role_of)
+            assert needs <= held, (pattern.name, variant, needs, held)
+    # the pre-check filters the Kalman-shaped steps: every Kalman pattern factors or inverts a covariance
+    assert all("linear algebra" in required[n] for n in PATTERNS if n.startswith("kalman"))

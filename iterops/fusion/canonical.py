@@ -96,18 +96,21 @@ class _UserGraph:
     outer_outputs: list = field(default_factory=list)  # outer nit-sot outputs, as ``outputs``
 
 
+#: (Scan op, lift) -> its canonical :class:`_UserGraph`.  Keyed by the op itself: Scan ops compare by their
+#: (interned) inner graphs, so equal steps -- rebuilt by PyTensor's rewrites, or built again by the user -- are
+#: canonicalized once per process
 _USER_CACHE: OrderedDict = OrderedDict()
 
 
 def _user_graph(node, lift=False) -> _UserGraph:
     """The canonicalized inner graph of ``node`` (cached per Scan op), bound to its outer variables."""
     op = node.op
-    hit = _USER_CACHE.get((id(op), lift))
-    if hit is not None and hit[0] is op:
-        ug = hit[1]
+    ug = _USER_CACHE.get((op, lift))
+    if ug is not None:
+        _USER_CACHE.move_to_end((op, lift))
     else:
         ug = _canonical_user_graph(node, lift)
-        _USER_CACHE[(id(op), lift)] = (op, ug)
+        _USER_CACHE[(op, lift)] = ug
         while len(_USER_CACHE) > 64:
             _USER_CACHE.popitem(last=False)
     a = ScanArgs(node.inputs, node.outputs, ug.inner_inputs, ug.inner_outputs, op.info)

@@ -3,9 +3,11 @@
 Nothing here knows a specific algorithm.  For a ``Scan`` node and a
 :class:`~iterops.fusion.registry.Pattern`, :func:`match_scan` runs three stages,
 after a pre-check that costs nothing on the Scans no pattern can match
-(:func:`inner_reject`, cached per Scan op: what the op alone says -- multi-tap
-states, stop rule, state ndims, sequences read, Ops -- then stages 1-2 on the
-step alone):
+(:func:`inner_reject`, cached per Scan op, equal ops alike: what the op alone
+says -- multi-tap states, stop rule, state ndims, sequences read, Ops: the Op
+families every reference step needs (linear algebra, subtensor writes, which
+canonicalization makes only from their own kind) and nested loops no reference
+step holds -- then stages 1-2 on the step alone):
 
 1. canonicalization (:mod:`iterops.fusion.canonical`): the user's inner graph
    and the pattern's reference step are rebuilt without static shapes, with
@@ -38,7 +40,9 @@ from pytensor.compile.builders import OpFromGraph
 from pytensor.graph.basic import Variable
 from pytensor.graph.traversal import ancestors, io_toposort
 from pytensor.raise_op import CheckAndRaise
+from pytensor.scan.op import Scan
 from pytensor.scan.utils import ScanArgs
+from pytensor.tensor.shape import Shape, Shape_i
 
 from iterops.fusion.canonical import (  # noqa: F401  (re-exported: the matcher's public names)
     _inner_inputs,
@@ -49,7 +53,7 @@ from iterops.fusion.canonical import (  # noqa: F401  (re-exported: the matcher'
     provably_equal,
     unsupported_loop,
 )
-from iterops.fusion.registry import Pattern, Rejection, closest
+from iterops.fusion.registry import OneOf, Pattern, Rejection, closest
 from iterops.fusion.unify import (
     _const_equal,
     _describe,
@@ -57,6 +61,7 @@ from iterops.fusion.unify import (
     _LoopUnification,
     _parse_step_return,
     _ref_graph,
+    _shape_determined,
     _specialize,
 )
 from iterops.fusion.uses import _has_clients, _uses, initial_value
@@ -152,7 +157,9 @@ def may_match(node, patterns) -> bool:
     return any(inner_reject(node, p) is None for p in patterns)
 
 
-#: id(Scan op) -> (op, {pattern name: Rejection or None}); ops compare by their inner graphs, hence ids
+#: Scan op -> (its :class:`_Signature`, {pattern name: Rejection or None}).  Keyed by the op itself: Scan ops
+#: compare by their (interned) inner graphs, so a step is analysed once per process, also when PyTensor rebuilds
+#: an equal op or the user builds and compiles the same graph again (PyMC's pre-gradient pass, logp and dlogp)
 _INNER: OrderedDict = OrderedDict()
 
 
@@ -162,20 +169,29 @@ def inner_reject(node, pattern: Pattern) -> Rejection | None:
     First what the Scan op says at no cost (:func:`_static_reject`); then the
     step is unified with each variant (states and stop rule; per-step outputs
     and outer uses are checked later by :func:`match_scan`).  Cached per
-    Scan op: PyTensor visits a Scan node many times and rebuilds nodes around
-    an unchanged op.
+    Scan op (equal ops share the entry): PyTensor visits a Scan node many times
+    and rebuilds nodes around an unchanged op.  A verdict that depended on a
+    step variant this process cannot build yet (see :class:`Pattern`) is not cached.
     """
     op = node.op
-    hit = _INNER.get(id(op))
-    if hit is None or hit[0] is not op:
-        hit = (op, {})
-        _INNER[id(op)] = hit
+    hit = _INNER.get(op)
+    if hit is None:
+        hit = _INNER[op] = (_signature(op), {})
         while len(_INNER) > 256:
             _INNER.popitem(last=False)
-    cache = hit[1]
-    if pattern.name not in cache:
-        cache[pattern.name] = _static_reject(_signature(op), pattern) or _unify_reject(node, pattern)
-    return cache[pattern.name]
+    else:
+        _INNER.move_to_end(op)
+    sig, cache = hit
+    if pattern.name in cache:
+        return cache[pattern.name]
+    why = _static_reject(sig, pattern)
+    if why is not None:
+        cache[pattern.name] = why
+        return why
+    why, complete = _unify_reject(node, pattern)
+    if complete:
+        cache[pattern.name] = why
+    return why
 
 
 @dataclass(frozen=True)
@@ -189,6 +205,8 @@ class _Signature:
     n_seqs: int
     n_seqs_read: int  # sequences the state updates and the stop rule read
     op_names: frozenset  # class names of the step's Ops (core Ops of Blockwise, OpFromGraph inlined)
+    families: frozenset  # the step's Op families (:func:`_family`); every family when an Op may become others
+    reads_loop: bool  # the state updates or the stop rule read a nested loop (a Scan in the step)
 
 
 def _signature(op) -> _Signature:
@@ -203,10 +221,14 @@ def _signature(op) -> _Signature:
     read = set(ancestors([*updates, *(outs[-1:] if info.as_while else [])], blockers=inputs))
     n_seqs_read = sum(v in read for v in inputs[:info.n_seqs])
     dtypes = [v.type.dtype for v in states if str(getattr(v.type, "dtype", "")).startswith("float")]
+    op_names = _raw_op_names(inputs, outs)
+    families = frozenset({*_FAMILIES.values(), _LINALG_FAMILY}) if op_names & _MAY_BECOME else frozenset(
+        f for n in io_toposort(inputs, outs) if (f := _family(n.op)) is not None)
     return _Signature(unsupported=unsupported_loop(op), dtype=dtypes[0] if dtypes else None,
                       state_ndims=tuple(sorted(getattr(v.type, "ndim", -1) for v in states)),
                       n_seqs=info.n_seqs, n_seqs_read=n_seqs_read, as_while=info.as_while,
-                      op_names=_raw_op_names(inputs, outs))
+                      op_names=op_names, families=families,
+                      reads_loop=any(v.owner is not None and isinstance(v.owner.op, Scan) for v in read))
 
 
 def _raw_op_names(inputs, outputs) -> frozenset:
@@ -222,23 +244,87 @@ def _raw_op_names(inputs, outputs) -> frozenset:
     return frozenset(names)
 
 
-_STOPS: dict = {}
+#: Op families (class names of core Ops) that ``canonicalize`` only makes from Ops of the same family: a
+#: canonical step holds one only if its raw step holds one (or an Op that may become others, ``_MAY_BECOME``)
+_FAMILIES = {"IncSubtensor": "subtensor write", "AdvancedIncSubtensor": "subtensor write",
+             "AdvancedIncSubtensor1": "subtensor write"}
+_LINALG_FAMILY = "linear algebra"
 
 
-def _stop_rules(pattern: Pattern) -> frozenset:
-    """Whether the pattern's step variants end with ``until``: ``{True}``, ``{False}`` or both (built once)."""
-    if pattern.name not in _STOPS:
-        found = set()
-        for step in pattern.step:
-            ins = [pt.tensor(dtype=r.dtype or "float64", shape=(None,) * r.ndim, name=r.name)
-                   for r in (*pattern.sequences, *pattern.states, *pattern.non_sequences)]
-            ret = step(*ins)
-            if isinstance(ret, Rejection):  # the variant cannot be built here (e.g. needs a library not imported)
-                found |= {True, False}
-            else:
-                found.add(_parse_step_return(ret)[1] is not None)
-        _STOPS[pattern.name] = frozenset(found)
-    return _STOPS[pattern.name]
+def _family(op) -> str | None:
+    """The family of ``op`` (its core Op's, for a ``Blockwise``): linear algebra, a subtensor write, or None."""
+    core = getattr(op, "core_op", op)
+    if type(core).__module__.startswith(_LINALG_MODULES):
+        return _LINALG_FAMILY
+    return _FAMILIES.get(type(core).__name__)
+
+
+@dataclass(frozen=True)
+class _ReferenceFacts:
+    """What a pattern's reference steps say before any is canonicalized (built once per pattern)."""
+
+    stops: frozenset  # whether the variants end with ``until``: {True}, {False} or both
+    #: Op families every variant's state updates and stop rule need, whichever ``one_of`` alternative a user
+    #: takes (empty when a variant cannot be built in this process)
+    needs: frozenset
+    has_loop: bool  # a variant holds a nested Scan (True when a variant cannot be built)
+
+
+_FACTS: dict = {}
+
+
+def _reference_facts(pattern: Pattern) -> _ReferenceFacts:
+    """The :class:`_ReferenceFacts` of ``pattern``'s raw reference steps (cached per pattern)."""
+    if pattern.name in _FACTS:
+        return _FACTS[pattern.name]
+    stops, needs, has_loop = set(), None, False
+    for step in pattern.step:
+        roles = (*pattern.sequences, *pattern.states, *pattern.non_sequences)
+        ins = [pt.tensor(dtype=r.dtype or "float64", shape=(None,) * r.ndim, name=r.name) for r in roles]
+        ret = step(*ins)
+        if isinstance(ret, Rejection):  # the variant cannot be built here (e.g. needs a library not imported)
+            stops |= {True, False}
+            needs, has_loop = frozenset(), True
+            continue
+        outs, cond = _parse_step_return(ret)
+        stops.add(cond is not None)
+        outs = [pt.as_tensor_variable(o) for o in outs]
+        read = [*outs[:len(pattern.states)], *([cond] if cond is not None else [])]
+        role_of = {v: (r, None) for v, r in zip(ins, roles)}
+        need = _needed_families(read, role_of)
+        needs = need if needs is None else needs & need
+        has_loop |= any(isinstance(n.op, Scan) for n in io_toposort(ins, [*outs, *read]))
+    facts = _ReferenceFacts(stops=frozenset(stops), needs=needs or frozenset(), has_loop=has_loop)
+    _FACTS[pattern.name] = facts
+    return facts
+
+
+def _needed_families(outputs, role_of) -> frozenset:
+    """The Op families every unification of the reference ``outputs`` finds in the user's step.
+
+    The unifier matches a reference node with a user node of the same Op, except where the reference has
+    alternatives (:func:`~iterops.fusion.registry.one_of`: only the families all of them need) and where a
+    subgraph computed from shapes and constant scalars may be a folded constant in the user's step.
+    """
+    memo: dict = {}
+
+    def need(v):
+        if v in memo:
+            return memo[v]
+        memo[v] = frozenset()  # (graphs are acyclic: a placeholder only)
+        node = v.owner
+        if node is None or isinstance(node.op, Shape | Shape_i):
+            out = frozenset()
+        elif isinstance(node.op, OneOf):
+            out = frozenset.intersection(*(need(a) for a in node.inputs))
+        else:
+            out = frozenset().union(*(need(i) for i in node.inputs))
+            if (f := _family(node.op)) is not None and _shape_determined(v, role_of) is None:
+                out |= {f}
+        memo[v] = out
+        return out
+
+    return frozenset().union(*(need(o) for o in outputs))
 
 
 _LINALG_MODULES = ("pytensor.tensor.linalg", "pytensor.tensor.nlinalg", "pytensor.tensor.slinalg")
@@ -258,16 +344,22 @@ def _static_reject(sig: _Signature, pattern: Pattern) -> Rejection | None:
     seq_roles = len(pattern.sequences) + sum(r.time_varying_ok for r in pattern.non_sequences)
     if sig.n_seqs_read > seq_roles:
         return Rejection(f"the step's states read {sig.n_seqs_read} sequence(s), the pattern at most {seq_roles}", 0.0)
-    stops = _stop_rules(pattern)
-    if sig.as_while not in stops:
-        return (Rejection("the loop has an until stop the pattern does not have", 0.5) if sig.as_while else
-                Rejection("the loop has no convergence stop (until) where the pattern needs one", 0.5))
     have = Counter(sig.state_ndims)
     for ndim, k in Counter(r.ndim for r in pattern.states).items():
         if have[ndim] < k:
             return Rejection(f"needs {k} state(s) of ndim {ndim}, the loop has {have[ndim]}", 0.0)
     if pattern.needs_ops and not set(pattern.needs_ops) & sig.op_names and not sig.op_names & _MAY_BECOME:
         return Rejection(f"the step has none of the operations {', '.join(pattern.needs_ops)}", 0.0)
+    # the checks above cost nothing; those below read the pattern's reference steps (built once per process)
+    facts = _reference_facts(pattern)
+    if sig.as_while not in facts.stops:
+        return (Rejection("the loop has an until stop the pattern does not have", 0.5) if sig.as_while else
+                Rejection("the loop has no convergence stop (until) where the pattern needs one", 0.5))
+    if facts.needs - sig.families:
+        return Rejection(f"the step has no {' or '.join(sorted(facts.needs - sig.families))} operation, which "
+                         "every step of the pattern holds", 0.0)
+    if sig.reads_loop and not facts.has_loop:
+        return Rejection("the step's states read a nested loop (a Scan), which the pattern's step does not hold", 0.0)
     return None
 
 
@@ -277,28 +369,29 @@ def _static_reject(sig: _Signature, pattern: Pattern) -> Rejection | None:
 _MAY_BECOME = frozenset({"<linalg or foreign Op>"})
 
 
-def _unify_reject(node, pattern: Pattern) -> Rejection | None:
-    """Unification of the step alone (states, stop rule), unlifted and lifted constants; None if one unifies."""
-    worst = None
+def _unify_reject(node, pattern: Pattern) -> tuple[Rejection | None, bool]:
+    """Unification of the step alone (states, stop rule), unlifted and lifted constants: (None if one unifies,
+    else the closest rejection; whether every variant could be built, i.e. the verdict can be cached)."""
+    worst, complete = None, True
     for lift in (False, True):
         user = _user_graph(node, lift=lift)
         if lift and not user.liftable:
             break
         if user.unsupported:
-            return Rejection(user.unsupported, 0.0)
+            return Rejection(user.unsupported, 0.0), True
         if pattern.needs_ops and not set(pattern.needs_ops) & _op_names(user):
             worst = closest(worst, Rejection(f"the step has none of the operations {', '.join(pattern.needs_ops)}"))
             continue
         for variant in range(len(pattern.step)):
             ref = _ref_graph(pattern, variant, user.dtype)
             if isinstance(ref, Rejection):
-                worst = closest(worst, ref)
+                worst, complete = closest(worst, ref), False
                 continue
             envs = _LoopUnification(pattern, ref, user)
             if next(iter(envs), None) is not None:
-                return None
+                return None, True
             worst = closest(worst, envs.rejection)
-    return worst
+    return worst, complete
 
 
 def _match_pattern(fgraph, node, user: _UserGraph, pattern: Pattern) -> Match | Rejection:

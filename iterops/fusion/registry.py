@@ -23,7 +23,10 @@ A :class:`Pattern` describes one loop the way a user writes it:
   reason string to reject, ``None`` to accept;
 * ``needs_ops`` (optional): Op class names, one of which every matching step
   holds (e.g. ``("MatrixInverse", "Solve")`` for a Kalman gain): other loops
-  are rejected before the reference steps are built;
+  are rejected before the reference steps are built.  Without it, the matcher
+  still reads off the reference steps the Op families every variant needs
+  (linear algebra, subtensor writes) and whether any holds a nested loop, and
+  turns away steps that cannot have them before canonicalizing them;
 * ``build``: makes the fused replacement from a :class:`~iterops.fusion.matcher.Match`
   and returns ``{state or output: value}`` (the final value for ``"last"``
   states, the ``(n_steps, ...)`` trace for ``"trace"`` states and outputs); it
