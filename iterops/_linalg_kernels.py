@@ -32,8 +32,8 @@ import numpy as np
 from iterops._fused import data_ptr
 
 __all__ = [
-    "SMALL", "FLOAT_MAX", "matmul", "mm", "congruence", "sym_inplace", "sym_into", "sym_finite", "cholesky", "cho_solve_vec",
-    "cho_inverse", "copy_into", "borrowed", "flat", "carve",
+    "SMALL", "FLOAT_MAX", "matmul", "mm", "congruence", "sym_inplace", "sym_into", "sym_finite", "cholesky",
+    "cho_solve_vec", "cho_inverse", "copy_into", "borrowed", "flat", "carve",
 ]
 
 SMALL = 10  #: matrix products of more than SMALL**3 multiply-adds go to BLAS
@@ -250,7 +250,6 @@ def spmm(X, idx, Y, out, alpha=1.0, beta=0.0):
             out[i, j] = v
             finite &= abs(v) <= FLOAT_MAX
     return 0.0 if finite else np.inf
-
 
 
 @numba.njit(cache=True)
