@@ -134,28 +134,13 @@ def _local_level_model(n):
 
 
 def _structural_model(n):
-    """pymc-extras' level + trend + 12-month seasonal + measurement error model (13 states) of a monthly
-    CO2-like series with 4 missing values, every parameter with a prior (``P0 = 10 I``)."""
-    import pymc as pm
-    from pymc_extras.statespace import structural as st
-
+    """:func:`iterops.demo.pymc_extras_structural_model` (13 states) of a monthly CO2-like series with 4 missing
+    values."""
     rng = np.random.default_rng(0)
     t = np.arange(n)
     y = 300 + 0.1 * t + 3 * np.sin(2 * np.pi * t / 12) + np.cumsum(rng.normal(0, 0.3, n)) + rng.normal(0, 0.2, n)
     y[[n // 12, 3 * n // 8, 5 * n // 8, 5 * n // 6]] = np.nan
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ss = (st.LevelTrendComponent(order=2, innovations_order=[1, 1])
-              + st.TimeSeasonality(season_length=12, innovations=True, name="seasonal")
-              + st.MeasurementError()).build(verbose=False)
-        with pm.Model(coords=ss.coords) as model:
-            pm.Deterministic("P0", pt.eye(ss.k_states) * 10, dims=ss.param_dims["P0"])
-            for name in ss.param_names:
-                if name != "P0":
-                    dist = pm.HalfNormal if name.startswith("sigma") else pm.Normal
-                    dist(name, 1.0, dims=ss.param_dims.get(name))
-            ss.build_statespace_graph(y[:, None])
-    return model
+    return demo.pymc_extras_structural_model(y[:, None], 12)
 
 
 def _pymc_extras_section(quick: bool) -> Section:

@@ -23,31 +23,17 @@ import time
 import warnings
 
 import numpy as np
-import pytensor.tensor as pt
 from pytensor.compile.mode import get_mode
 
 import iterops
+from iterops import demo
 from benchmarks._harness import Section, best_time, ms
 
 
 def _model(n):
-    import pymc as pm
-    from pymc_extras.statespace import structural as st
-
     rng = np.random.default_rng(5)
     y = (10.0 + np.cumsum(rng.normal(size=n)) + 2.0 * np.sin(np.arange(n) * np.pi / 2) + 0.7 * rng.normal(size=n))
-    ss = (st.LevelTrendComponent(order=2, innovations_order=[1, 1])
-          + st.TimeSeasonality(season_length=4, innovations=True, name="seasonal")
-          + st.MeasurementError()).build(verbose=False)
-    with pm.Model(coords=ss.coords) as model:
-        pm.Deterministic("P0", pt.eye(ss.k_states) * 10, dims=ss.param_dims["P0"])
-        for name in ss.param_names:
-            if name.startswith("sigma"):
-                pm.HalfNormal(name, dims=ss.param_dims.get(name))
-            elif name != "P0":
-                pm.Normal(name, dims=ss.param_dims.get(name))
-        ss.build_statespace_graph(y[:, None])
-    return model
+    return demo.pymc_extras_structural_model(y[:, None], 4)
 
 
 def _compile(n, impl):

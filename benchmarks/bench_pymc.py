@@ -134,7 +134,8 @@ def run(quick: bool) -> list[Section]:
 
 def run_structural_nutpie(quick: bool = False) -> Section:
     """pymc-extras' level + trend + 12-month seasonal model (13 states,
-    :func:`benchmarks.bench_fusion._structural_model`) sampled with ``pm.sample``'s default NUTS (nutpie), with and without iterops' rewrites, in one process."""
+    :func:`benchmarks.bench_fusion._structural_model`) sampled with ``pm.sample``'s default NUTS (nutpie),
+    with and without iterops' rewrites, in one process."""
     from benchmarks.bench_fusion import _structural_model
 
     draws, tune, chains = (200, 200, 2) if quick else (500, 500, 2)

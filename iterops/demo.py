@@ -175,6 +175,28 @@ def pymc_extras_local_linear_trend_model(y, filter_type="standard", observed_sta
     return model
 
 
+def pymc_extras_structural_model(y, season_length=12):
+    """pymc-extras' level + trend + seasonal (``season_length``, with innovations) + measurement error model of
+    ``y`` (n, 1), as its users write it: ``P0 = 10 I``, ``HalfNormal(1)`` priors on the scales, ``Normal(0, 1)``
+    on the rest.  On ``import iterops`` its Kalman filter Scan is replaced by :func:`iterops.ts.kalman_filter`."""
+    import pymc as pm
+    from pymc_extras.statespace import structural as st
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ss = (st.LevelTrendComponent(order=2, innovations_order=[1, 1])
+              + st.TimeSeasonality(season_length=season_length, innovations=True, name="seasonal")
+              + st.MeasurementError()).build(verbose=False)
+        with pm.Model(coords=ss.coords) as model:
+            pm.Deterministic("P0", pt.eye(ss.k_states) * 10, dims=ss.param_dims["P0"])
+            for name in ss.param_names:
+                if name != "P0":
+                    dist = pm.HalfNormal if name.startswith("sigma") else pm.Normal
+                    dist(name, 1.0, dims=ss.param_dims.get(name))
+            ss.build_statespace_graph(y)
+    return model
+
+
 def ar2_noise_system(mean, pacf, sigma_state, sigma_obs, lyapunov=iterops.solve_discrete_lyapunov):
     """``(phi, (a0, P0, system))`` of the AR(2)-plus-noise model (m = 2, p = r = 1); ``system``: the
     keyword arguments ``d, T, Z, R, H, Q`` of :func:`iterops.ts.kalman_filter` (no state intercept)."""

@@ -21,8 +21,8 @@ from pytensor.gradient import hessian_vector_product, jacobian
 
 import iterops
 from conftest import SCAN_ORACLE, as_run_by_python, first_then_slow, random_ar, random_pacf
+from iterops import demo, ts
 from iterops import reference_loops as ref
-from iterops import ts
 
 RUN = as_run_by_python("NUMBA")
 #: Scans in a Kalman Hessian-vector product: the filter's Scan, its gradient Scan and their reverse
@@ -348,22 +348,7 @@ def test_kalman_hessian_vector_product_with_one_observable_compiles_under_numba(
 def _structural_model(n=20):
     """pymc-extras' local linear trend + seasonal (4) + measurement error, its filter Scan fused on ``import
     iterops`` (``P0 = 10 I``)."""
-    import pymc as pm  # noqa: PLC0415
-    from pymc_extras.statespace import structural as st  # noqa: PLC0415
-
-    y = _local_level_data(n)[:, None]
-    ss = (st.LevelTrendComponent(order=2, innovations_order=[1, 1])
-          + st.TimeSeasonality(season_length=4, innovations=True, name="seasonal")
-          + st.MeasurementError()).build(verbose=False)
-    with pm.Model(coords=ss.coords) as model:
-        pm.Deterministic("P0", pt.eye(ss.k_states) * 10, dims=ss.param_dims["P0"])
-        for name in ss.param_names:
-            if name.startswith("sigma"):
-                pm.HalfNormal(name, dims=ss.param_dims.get(name))
-            elif name != "P0":
-                pm.Normal(name, dims=ss.param_dims.get(name))
-        ss.build_statespace_graph(y)
-    return model
+    return demo.pymc_extras_structural_model(_local_level_data(n)[:, None], 4)
 
 
 @pytest.mark.slow  # a cold Numba compile of d2logp: the Hessian's Jacobian Scan around the filter's Scans (minutes)
@@ -513,7 +498,6 @@ def _laplace_family_models(name):
     """(model on iterops, the same model on its Scan): ``kalman_filter`` called directly (demo's local level,
     whose Scan twin is the textbook filter Scan and PyTensor's ops), or pymc-extras' structural local linear
     trend (one builder: the rewrite fuses its filter Scan unless fusion is disabled)."""
-    from iterops import demo  # noqa: PLC0415
 
     y = _local_level_data()
     if name == "kalman_filter":
