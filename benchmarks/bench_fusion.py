@@ -185,7 +185,7 @@ def _pymc_extras_section(quick: bool) -> Section:
               "`BayesianSARIMAX(order=(2, 0, 1), seasonal_order=(1, 0, 1, 12))` (14 states, stationary start by "
               "`solve_discrete_lyapunov`, a simulated series).\n\n"
               "Why level + trend + seasonal(12) is short of 10x (process CPU time, n = 240):\n"
-              "- Quiet machine, 2026-12-04: fused logp 0.32 ms (the filter: 1.3 us per step), dlogp 0.82 ms (the "
+              "- 2026-12-04, one other process on the second core: fused logp 0.32 ms (the filter: 1.3 us per step), dlogp 0.82 ms (the "
               "filter again, then the adjoint: about 2 us per step); the Scan's logp + dlogp 3.1 ms. 10x needs "
               "0.31 ms for both: the two Ops at about 0.65 us per step together, near their loop floors "
               "(`Kalman filter: cost model`).\n"
