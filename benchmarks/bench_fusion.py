@@ -185,8 +185,9 @@ def _pymc_extras_section(quick: bool) -> Section:
               "`BayesianSARIMAX(order=(2, 0, 1), seasonal_order=(1, 0, 1, 12))` (14 states, stationary start by "
               "`solve_discrete_lyapunov`, a simulated series).\n\n"
               "Why level + trend + seasonal(12) is short of 10x (process CPU time, n = 240):\n"
-              "- 2026-12-04, one other process on the second core: fused logp 0.32 ms (the filter: 1.3 us per step), dlogp 0.82 ms (the "
-              "filter again, then the adjoint: about 2 us per step); the Scan's logp + dlogp 3.1 ms. 10x needs "
+              "- 2026-12-04, one other process on the second core: fused logp 0.32 ms (the filter: 1.3 us per "
+              "step), dlogp 0.82 ms (the filter again, then the adjoint: about 2 us per step); the Scan's logp + "
+              "dlogp 3.1 ms. 10x needs "
               "0.31 ms for both: the two Ops at about 0.65 us per step together, near their loop floors "
               "(`Kalman filter: cost model`).\n"
               "- The filter never reaches its steady state here (the largest relative change of the predicted "
@@ -218,8 +219,8 @@ def _pymc_extras_section(quick: bool) -> Section:
                 f(point), g(point)
             has_scan = any(isinstance(nd.op, Scan) for fn in (f, g) for nd in fn.f.maker.fgraph.apply_nodes)
             if has_scan != (variant == "without"):
-                raise RuntimeError(f"{label}: the {variant} variant's logp/dlogp {'lacks' if variant == 'without' else 'keeps'} "
-                                   "the filter Scan")
+                what = "lacks" if variant == "without" else "keeps"
+                raise RuntimeError(f"{label}: the {variant} variant's logp/dlogp {what} the filter Scan")
 
             def both(pt_, f=f, g=g):
                 f(pt_)

@@ -508,8 +508,9 @@ def _laplace_family_models(name):
 
 @pytest.mark.parametrize("name", ["kalman_filter", "structural"])
 def test_pymc_extras_laplace_family_on_iterops_models(name):
-    """find_MAP(compute_hessian=True), fit_laplace and fit(method="pathfinder") run on the fused model; the MAP
-    and the Laplace covariance equal those of the same model on its Scan (rewrite off).
+    """find_MAP, fit_laplace (find_MAP(compute_hessian=True) inside) and fit(method="pathfinder") run on the fused
+    model; the MAP and the Laplace covariance equal find_MAP(compute_hessian=True)'s on the same model's Scan
+    (rewrite off).
 
     trust-ncg starts at the MAP (found by L-BFGS-B on the fused model), so the optimizer takes a step or two and
     the covariance is the inverse of the exact Hessian there, built from Hessian-vector products: through the
