@@ -300,6 +300,34 @@ def _one_observable_kalman(y, th):
                             Q=pt.reshape(th[2] ** 2, (1, 1))).loglik
 
 
+@pytest.mark.parametrize("options", [{}, {"cov_jitter": 1e-3, "missing_value": -9999.0}])
+def test_one_observable_kalman_hessian_with_missing_values(rng, options):
+    """One observable (the pullback's scalar branch, no LAPACK): missing values, every output in the cost,
+    Hessian = central differences of the gradient; where F is not positive definite, the filter's documented
+    ``loglik = -inf`` and a NaN Hessian."""
+    y = rng.normal(size=(12, 1))
+    y[3], y[7] = np.nan, (-9999.0 if options else np.nan)
+
+    def filt(th, H):
+        T = pt.stack([th[:2], pt.as_tensor([1.0, 0.0])])
+        return ts.kalman_filter(y, th[4:6], pt.eye(2) * th[6], T=T, Z=pt.as_tensor([[1.0, 0.3]]),
+                                R=pt.as_tensor([[1.0], [0.0]]), H=pt.reshape(H, (1, 1)),
+                                Q=pt.reshape(th[2] ** 2, (1, 1)), **options)
+
+    def cost(th):
+        r = filt(th, th[3] ** 2)
+        v = pt.switch(pt.isnan(r.forecast_error), 0.0, r.forecast_error)
+        return r.loglik + 0.1 * pt.sum(r.filtered_state**2) + 0.3 * pt.sum(v) + pt.sum(r.predicted_cov[-1])
+
+    _assert_hessian(cost, np.array([0.5, -0.2, 1.0, 0.6, 0.1, -0.3, 1.5]), rtol=2e-6)
+    # H = -3 with P0 = I: F = 1 + 0.09 - 3 < 0 at the first step
+    th = pt.vector("th", shape=(7,))
+    ll = filt(th, th[3]).loglik
+    f = pytensor.function([th], [ll, jacobian(pytensor.grad(ll, th), th)], mode=RUN)
+    ll_bad, H_bad = f(np.array([0.5, -0.2, 1.0, -3.0, 0.1, -0.3, 1.0]))
+    assert ll_bad == -np.inf and np.all(np.isnan(H_bad))
+
+
 def test_kalman_second_derivative_scans_keep_static_shapes():
     """The Scans of the adjoint's pullback keep every static core shape of their inputs.  Where one was lost
     (a ``(?, ?)`` that is 1 x 1), Numba-mode rewrites turned an ``X + X^T`` of that type into an Elemwise

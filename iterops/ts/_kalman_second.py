@@ -13,12 +13,14 @@ and ``fit_laplace`` ask for.  Both are taken here by PyTensor's reverse mode, tw
 :func:`filter_graph`: the same recursion (module docstring of :mod:`iterops.ts.kalman`: ``sym(P)``,
 missing components dropped, ``cov_jitter``, time-varying matrices) written as a ``pytensor.scan``.
 Exact, not fused: it costs what ``pytensor.hessian`` of that Scan costs (one Scan forward, its
-gradient Scan, and their reverse).  ``ap, Pp`` (the stored predictions the adjoint reads) are
+gradient Scan, and their reverse); the Scan computes only the per-step outputs that have a cotangent
+(PyMC's logp reads only ``loglik``).  ``ap, Pp`` (the stored predictions the adjoint reads) are
 functions of ``x`` already counted through ``x``: their cotangent is zero.
 
 Failure is a value as in the filter: where ``F[o, o]`` is not positive definite (its Cholesky is NaN)
 the second derivative is NaN.  ``F[o, o]^{-1}`` and ``log det F[o, o]`` are taken by inverse and
-determinant, whose pullbacks keep static shapes (comment in :func:`_step`).  Not covered: the exact
+determinant, whose pullbacks keep static shapes, or for one observable by scalar division and log
+(comments in :func:`_step`).  Not covered: the exact
 diffuse filter's adjoint (its pullback raises ``NotImplementedError``,
 :func:`iterops._second_order.not_twice_differentiable`).
 
@@ -59,11 +61,19 @@ def _step(y, o, a, P, c, d, T, Z, R, H, Q, jitter):
     # scalarize an ``X + X^T`` whose declared type is (?, ?): an Elemwise with no array input, which the Numba
     # backend cannot compile.  Inverse and determinant pullbacks are products: static shapes kept.
     # failure is a value: NaN where F_oo is not positive definite, as the filter's (the Cholesky only tests it)
-    pd = pt.all(pt.isfinite(pt.diag(pt.linalg.cholesky(disconnected_grad(F_oo)))))
-    F_inv = pt.linalg.inv(F_oo) * pt.switch(pd, 1.0, np.nan)
     M = S @ (Z * o[:, None]).T  # (m, p), zero columns where missing
-    Kt = F_inv @ M.T  # K^T = F_oo^{-1} M^T
-    ll = -0.5 * (pt.sum(o) * LOG_2PI + pt.log(pt.linalg.det(F_oo)) + v_o @ F_inv @ v_o)
+    if y.type.shape[0] == 1:
+        # one observable (structural, SARIMAX): scalar divisions, not three LAPACK calls per step in each of the
+        # pullback's Scans.  Divisions, not a reciprocal: PyTensor's Python implementation of the scalar
+        # reciprocal returns float32 precision for a float64 Python scalar (np.float32(1.0) / x)
+        F_pd = pt.switch(F_oo > 0, F_oo, np.nan)  # (1, 1)
+        Kt = M.T / F_pd
+        ll = -0.5 * (pt.sum(o) * LOG_2PI + pt.log(F_pd[0, 0]) + v_o[0] * v_o[0] / F_pd[0, 0])
+    else:
+        pd = pt.all(pt.isfinite(pt.diag(pt.linalg.cholesky(disconnected_grad(F_oo)))))
+        F_inv = pt.linalg.inv(F_oo) * pt.switch(pd, 1.0, np.nan)
+        Kt = F_inv @ M.T  # K^T = F_oo^{-1} M^T
+        ll = -0.5 * (pt.sum(o) * LOG_2PI + pt.log(pt.linalg.det(F_oo)) + v_o @ F_inv @ v_o)
     a_f = a + Kt.T @ v_o
     P_f = S - Kt.T @ M.T - jitter * (Kt.T @ Kt) + jitter * pt.eye(m)
     a_next = T @ a_f + c
@@ -71,10 +81,13 @@ def _step(y, o, a, P, c, d, T, Z, R, H, Q, jitter):
     return a_next, P_next, ll, a_f, P_f, pt.switch(o > 0, v, np.nan), F
 
 
-def filter_graph(y, a0, P0, c, d, T, Z, R, H, Q, time_varying, cov_jitter, missing_value):
+def filter_graph(y, a0, P0, c, d, T, Z, R, H, Q, time_varying, cov_jitter, missing_value, needed=(True,) * 8):
     """The eight outputs of :class:`~iterops.ts.kalman.KalmanFilter` (core shapes, system matrices
     with their time axis) as a ``pytensor.scan``: ``(loglik, loglik_obs, filtered_state,
-    filtered_cov, predicted_state, predicted_cov, forecast_error, forecast_error_cov)``."""
+    filtered_cov, predicted_state, predicted_cov, forecast_error, forecast_error_cov)``.  ``needed``: one flag
+    per output; the Scan computes the per-step outputs ``filtered_*`` and ``forecast_*`` only where set
+    (None in their place otherwise: a second derivative of PyMC's logp, which reads only ``loglik``, then
+    runs and reverses a loop of fewer operations)."""
     missing = pt.isnan(y)
     if missing_value is not None:
         missing = missing | pt.eq(y, missing_value)
@@ -89,14 +102,19 @@ def filter_graph(y, a0, P0, c, d, T, Z, R, H, Q, time_varying, cov_jitter, missi
         seqs = dict(zip(seq_names, rest[: len(seq_names)]))
         a, P = rest[len(seq_names) : len(seq_names) + 2]
         args = {**fixed, **seqs}
-        return _step(y_t, o_t, a, P, *(args[k] for k in _NAMES), jitter)
+        a_next, P_next, ll, *per_step = _step(y_t, o_t, a, P, *(args[k] for k in _NAMES), jitter)
+        return [a_next, P_next, ll, *(o for o, keep in zip(per_step, kept) if keep)]
 
-    a_next, P_next, llo, af, Pf, v, F = pytensor.scan(
+    # the per-step outputs (a_f, P_f, v, F) are outputs 2, 3, 6, 7
+    kept = [needed[i] for i in (2, 3, 6, 7)]
+    a_next, P_next, llo, *per_step = pytensor.scan(
         step,
         sequences=[y, observed, *(mats[k] for k in seq_names)],
-        outputs_info=[a0, P0, None, None, None, None, None],
+        outputs_info=[a0, P0, None, *(None for keep in kept if keep)],
         return_updates=False,
     )
+    it = iter(per_step)
+    af, Pf, v, F = (next(it) if keep else None for keep in kept)
     ap = pt.concatenate([a0[None], a_next], axis=0)
     Pp = pt.concatenate([P0[None], P_next], axis=0)
     return [pt.sum(llo), llo, af, Pf, ap, Pp, v, F]
@@ -117,7 +135,8 @@ def adjoint_pullback(op, inputs, cotangents):
     g_in = [None if _is_placeholder(v) else v for v in g]
 
     def graph(*x_):
-        return filter_graph(*x_, op.time_varying, op.cov_jitter, op.missing_value)
+        needed = tuple(gi is not None for gi in g_in)
+        return filter_graph(*x_, op.time_varying, op.cov_jitter, op.missing_value, needed)
 
     x_bar, g_bar = reverse_twice(graph, x, g_in, w)
     return [
