@@ -15,9 +15,10 @@ parameter, stacked.  Side by side in one process, default (NUMBA) mode:
   ``mode.excluding("iterops")``): PyTensor differentiates pymc-extras' Scan twice.
 
 Compile: graph building, rewriting, Numba code generation and the first calls of both functions (the
-Hessian's), with warm on-disk caches (each side is built once, untimed, first: what a second run costs).  Calls: best of 5 rounds.  ``model.compile_d2logp()`` (a Scan over
-the Hessian's rows around the same products) is not timed: under NUMBA its compile of the Scan model
-did not finish in 108 CPU minutes (2026-12-04), which is why pymc-extras' ``hessp`` route is measured.
+Hessian's), with warm on-disk caches (each side is built once, untimed, first: what a second run
+costs).  Calls: best of 5 rounds.  ``model.compile_d2logp()`` (a Scan over the Hessian's rows around
+the same products) is not timed: under NUMBA its compile of the Scan model did not finish in 108 CPU
+minutes (2026-12-04), which is why pymc-extras' ``hessp`` route is measured.
 
 Regenerate: ``scripts/dev bench --update hessian``.
 """
@@ -59,10 +60,9 @@ def _build(n, impl, timed=True):
     basis = np.eye(x0.size)
     H = np.stack([f_hessp(x0, basis[:, i]) for i in range(x0.size)], axis=-1)
     seconds = time.perf_counter() - t0
-    # the fused model's filter is the Op, the Scan model's is pymc-extras' Scan
+    # the fused model's filter is the Op, the Scan model's is pymc-extras' Scan (both are pytensor Functions)
     for fn in (f_fused, f_hessp):
-        fn = getattr(fn, "f", fn)
-        if hasattr(fn, "maker") and _has_filter_op(fn) != (impl == "fused"):
+        if _has_filter_op(fn) != (impl == "fused"):
             raise RuntimeError(f"{impl}: expected {'the' if impl == 'fused' else 'no'} fused filter Op")
     if not timed:
         return None

@@ -659,13 +659,13 @@ _COST_NOTES = "\n".join([
     "steps` - 1; adjoint = f+g - fwd; n/a below 10 full steps.",
     "- Last row: one call of a local level at n=10 (the fixed cost of a call).",
     "",
-    "What bounds the structural forward at about 5x its loop floor (measured 2026-12-03 at load 10-13, so "
-    "absolute figures run high):",
+    "What bounds the structural forward at about 5x its loop floor (the table: 2026-12-04 at load 0.8 on the 2 "
+    "cores; the before/after figures below: 2026-12-03 at load 10-13, so they run high):",
     "- Since 2026-12-03 a one-observable step is a rank-one update on P_t (no Cholesky, symmetrization or copy); "
     "the finiteness and steady-state tests ride on the passes that write P_f and P'.",
     "- Effect: forward 3.06 -> 1.30-1.66 us per full step; statsmodels / forward 0.85-0.90 -> 1.17-1.56.",
     "- The adjoint reverses that update in four merged passes instead of ten; T's dense cotangent goes to BLAS "
-    "without copies. f+g 7.9 -> 4.5-6.8 us per full step.",
+    "without copies. f+g 7.9 -> 4.5-6.8 us per full step (3.9 in the table, on a quiet machine).",
     "- Remaining (1): a per-step fixed cost, about 0.4 us forward and 1.2 us adjoint (the local level: 10 and 17 "
     "multiply-adds cost 0.43 and 1.18 us). Each stage is a compiled call with about a hundred flattened "
     "arguments.",
