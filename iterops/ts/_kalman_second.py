@@ -56,12 +56,8 @@ def _step(y, o, a, P, c, d, T, Z, R, H, Q, jitter):
     # F[o, o] with ones on the missing diagonal: the inverse and log-determinant of F_oo
     F_oo = pt.switch(pt.outer(o, o) > 0, F, 0.0) + pt.diag(1.0 - o)
     v_o = pt.switch(o > 0, v, 0.0)
-    # F_oo^{-1} and log det F_oo by inverse and determinant, not by Cholesky: PyTensor's Cholesky pullback
-    # (tril through arange masks, diag(diagonal)) drops static shapes, and where p = 1 its rewrites then
-    # scalarize an ``X + X^T`` whose declared type is (?, ?): an Elemwise with no array input, which the Numba
-    # backend cannot compile.  Inverse and determinant pullbacks are products: static shapes kept.
-    # failure is a value: NaN where F_oo is not positive definite, as the filter's (the Cholesky only tests it)
     M = S @ (Z * o[:, None]).T  # (m, p), zero columns where missing
+    # failure is a value: NaN where F_oo is not positive definite, as the filter's
     if y.type.shape[0] == 1:
         # one observable (structural, SARIMAX): scalar divisions, not three LAPACK calls per step in each of the
         # pullback's Scans.  Divisions, not a reciprocal: PyTensor's Python implementation of the scalar
@@ -70,6 +66,11 @@ def _step(y, o, a, P, c, d, T, Z, R, H, Q, jitter):
         Kt = M.T / F_pd
         ll = -0.5 * (pt.sum(o) * LOG_2PI + pt.log(F_pd[0, 0]) + v_o[0] * v_o[0] / F_pd[0, 0])
     else:
+        # F_oo^{-1} and log det F_oo by inverse and determinant, not by Cholesky: PyTensor's Cholesky pullback
+        # (tril through arange masks, diag(diagonal)) drops static shapes, and where p = 1 its rewrites then
+        # scalarize an ``X + X^T`` whose declared type is (?, ?): an Elemwise with no array input, which the
+        # Numba backend cannot compile.  Inverse and determinant pullbacks are products: static shapes kept.
+        # The Cholesky only tests positive definiteness.
         pd = pt.all(pt.isfinite(pt.diag(pt.linalg.cholesky(disconnected_grad(F_oo)))))
         F_inv = pt.linalg.inv(F_oo) * pt.switch(pd, 1.0, np.nan)
         Kt = F_inv @ M.T  # K^T = F_oo^{-1} M^T
