@@ -26,12 +26,14 @@ import numba
 import numpy as np
 
 from iterops._fused import keep_alive
-from iterops._linalg_kernels import all_finite, borrowed, carve, cho_inverse, congruence, copy_into, matmul, sym_into
+from iterops._linalg_kernels import (
+    all_finite, borrowed, carve, cho_inverse, congruence, copy_into, matmul, sym_finite, sym_into,
+)
 from iterops.linalg.lyapunov import _doubling
 from iterops.ts._kalman_steps import (
     System, closed_loop, find_structure, fully_observed, innovation, loglik, loglik_vjp, observe, observe_vjp,
     gain_one, predict_cov_vjp, predict_vjp, reverse_work, rq_vjp, static_cov, static_rq, structure, system_at, ti,
-    update_cov, update_mean, update_vjp, update_vjp_one, update_work, varies_over_time,
+    update_cov, update_mean, update_one, update_vjp, update_vjp_one, update_work, varies_over_time,
 )
 
 __all__ = ["Cotangents", "InputCotangents", "kalman_adjoint_kernel"]
@@ -163,6 +165,8 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad, want):
         k = observe(a, y[t], st.d, st.Z, options, v, obs)
         if gain_only and k == 1 and t > 0:  # P_t exactly symmetric; P_f and sym(P_t) feed only T's, Z's cotangents
             ok, logdet = gain_one(Pp[t], all_finite(Pp[t]), st.Z, st.H, jitter, ws, F, sx)
+        elif p == 1 and k == 1:  # update_cov's one-observable branch, inlined (a call would pass ws and sx whole)
+            ok, logdet, _ = update_one(ws.Ps, sym_finite(Pp[t], ws.Ps), st.Z, st.H, jitter, ws, F, Pf, sx)
         else:
             ok, logdet = update_cov(Pp[t], st.Z, st.H, jitter, k, ws, F, Pf, sx)
         if not ok:

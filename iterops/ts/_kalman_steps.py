@@ -62,7 +62,7 @@ import numpy as np
 
 from iterops._linalg_kernels import (
     FLOAT_MAX, SMALL, all_finite, borrowed, carve, cho_solve_vec, cholesky, copy_into, flat, matmul, nonzero_index,
-    spmm, sym_finite, sym_inplace, sym_into,
+    spmm, sym_finite, sym_inplace, sym_into, transpose_into,
 )
 
 __all__ = [
@@ -262,7 +262,7 @@ def fully_observed(y, t, options):
 # ---------------------------------------------------------------------------
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def observe(a, yt, dt, Zt, options, v, obs):
     """v = y_t - d_t - Z_t a (NaN where missing); ``obs[:k]`` = observed indices.  Returns k."""
     m = a.shape[0]
@@ -407,7 +407,7 @@ def update_cov(P, Zt, Ht, jitter, k, ws, F, Pf, sx):
     return True, logdet
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def update_one(Ps, finite, Zt, Ht, jitter, ws, F, Pf, sx):
     """:func:`update_cov` for one observable, observed (``p = k = 1``; ``Ps``: sym(P), exactly
     symmetric, ``finite`` whether it is): the rank-one update, no Cholesky, no copy::
@@ -440,7 +440,7 @@ def update_one(Ps, finite, Zt, Ht, jitter, ws, F, Pf, sx):
     return True, logf, fin and np.isfinite(m * jitter)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def gain_one(Ps, finite, Zt, Ht, jitter, ws, F, sx):
     """The gain part of :func:`update_one` (``u = Ps z^T``, ``f``, ``K = u / f``; writes ``F``, ``M[:, 0] = u``,
     ``K[:, 0]``, ``Zo[0] = z``, ``L[0, 0] = sqrt(f)``), without ``P_f``: what a reverse step that needs
@@ -576,7 +576,7 @@ def update_univariate(a, P, v, Zt, Ht, jitter, k, ws, af, Pf, sx):
     return True, ll
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def update_mean(a, v, obs, k, K, af):
     """a_f = a + K v_o."""
     m = a.shape[0]
@@ -715,7 +715,7 @@ def update_vjp_one(v0, Zt, jitter, ws, rw, gH, P_bar, want_Z=True):
 # ---------------------------------------------------------------------------
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def loglik(v, obs, k, logdet, L, w):
     """The step's log-likelihood, from ``L = chol(F_oo)``; writes ``w[:k] = F_oo^{-1} v_o``."""
     for i in range(k):
@@ -741,7 +741,7 @@ def loglik_vjp(ll_bar, k, w, Finv, vo_bar, Fo_bar):
 # ---------------------------------------------------------------------------
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def predict_mean(af, ct, Tt, a_next, sx):
     """a' = T a_f + c; T's zeros skipped when ``sx.use[0]`` and a_f is finite (:class:`Structure`)."""
     m = af.shape[0]
@@ -777,38 +777,31 @@ def rqr(Rt, Qt, RQ, out):
             out[jj, i] = s
 
 
-@numba.njit(cache=True)
-def predict_cov(Pf, Tt, RQR, P_next, W, sx, pf_finite, P_old, test):
-    """P' = T P_f T^T + R sym(Q) R^T for a symmetric ``P_f`` (one triangle, mirrored); ``W`` scratch.
+@numba.njit(cache=True, inline="always")
+def predict_cov(Pf, Tt, RQR, P_next, W, Wt, sx, pf_finite, P_old, test):
+    """P' = T P_f T^T + R sym(Q) R^T for a symmetric ``P_f``; ``W``, ``Wt`` scratch.
     T's zeros skipped when ``sx.use[0]`` and P_f, T P_f are finite (:class:`Structure`;
-    ``pf_finite``: 1 or 0 when the caller knows whether P_f is finite, -1 to check).
+    ``pf_finite``: 1 or 0 when the caller knows whether P_f is finite, -1 to check): then both products
+    are sums of scaled rows (``W = T P_f``, ``P'[i] = RQR[i] + sum_l T[i, l] W^T[l]``, loops that vectorise)
+    and the upper triangle is mirrored.
     Returns ``(P' finite, converged)``: ``converged`` is the steady-state test
     ``max|P' - P_old| <= 1e-14 max|P'|`` against a symmetric ``P_old`` when ``test`` (else False)."""
     m = Pf.shape[0]
     fin = all_finite(Pf) if pf_finite < 0 else pf_finite == 1
-    if sx.use[0] and fin and np.isfinite(spmm(Tt, sx.T, Pf, W)):  # the test in the same pass
-        tot = 0.0
-        diff = 0.0
-        scale = 0.0
+    if sx.use[0] and fin and np.isfinite(spmm(Tt, sx.T, Pf, W)):
+        transpose_into(W, Wt)
         for i in range(m):
-            row = 0.0
-            rdiff = 0.0
-            rscale = 0.0
-            for jj in range(i, m):
-                s = RQR[i, jj]
-                for q in range(1, sx.T[jj, 0] + 1):
-                    l = sx.T[jj, q]
-                    s += W[i, l] * Tt[jj, l]
-                P_next[i, jj] = s
-                P_next[jj, i] = s
-                row += s
-                if test:
-                    rdiff = max(rdiff, abs(s - P_old[i, jj]))
-                    rscale = max(rscale, abs(s))
-            tot += row
-            diff = max(diff, rdiff)
-            scale = max(scale, rscale)
-        return np.isfinite(tot), test and diff <= 1e-14 * scale
+            for jj in range(m):
+                P_next[i, jj] = RQR[i, jj]
+            for q in range(1, sx.T[i, 0] + 1):
+                l = sx.T[i, q]
+                x = Tt[i, l]
+                for jj in range(m):
+                    P_next[i, jj] += x * Wt[l, jj]
+        for i in range(m):  # mirror the upper triangle; P_new = P_next
+            for jj in range(i + 1, m):
+                P_next[jj, i] = P_next[i, jj]
+        return _triangle_test(P_next, P_old, test)
     matmul(Tt, Pf, W)
     if m > SMALL:
         matmul(W, Tt.T, P_next)
@@ -830,22 +823,27 @@ def predict_cov(Pf, Tt, RQR, P_next, W, sx, pf_finite, P_old, test):
 
 @numba.njit(cache=True)
 def _triangle_test(P_new, P_old, test):
-    """``(P_new finite, max|P_new - P_old| <= 1e-14 max|P_new|)`` over one triangle of the symmetric
-    P_new and P_old (the steady-state test; False unless ``test``)."""
-    s = 0.0
+    """``(P_new finite, max|P_new - P_old| <= 1e-14 max|P_new|)`` for the symmetric P_new and P_old (the
+    steady-state test; False unless ``test``).  Comparisons and maxima by rows (short dependency chains)."""
+    m = P_new.shape[0]
+    finite = True
     diff = 0.0
     scale = 0.0
-    for i in range(P_new.shape[0]):
-        for j in range(i, P_new.shape[0]):
+    for i in range(m):
+        rdiff = 0.0
+        rscale = 0.0
+        for j in range(m):  # whole rows (the same maxima, P_new and P_old being symmetric): they vectorise
             x = P_new[i, j]
-            s += x
+            finite &= abs(x) <= FLOAT_MAX
             if test:
-                diff = max(diff, abs(x - P_old[i, j]))
-                scale = max(scale, abs(x))
-    return np.isfinite(s), test and diff <= 1e-14 * scale
+                rdiff = max(rdiff, abs(x - P_old[i, j]))
+                rscale = max(rscale, abs(x))
+        diff = max(diff, rdiff)
+        scale = max(scale, rscale)
+    return finite, test and diff <= 1e-14 * scale
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def predict_cov_vjp(G, Tt, Pf, gT, Pf_bar, beta, GT, sx, tmp, g_finite=-1, want_T=True):
     """Reverse of ``P' = T P_f T^T + ...`` for ``G = sym(P'_bar)`` (G and P_f symmetric):
     ``P_f_bar = T^T G T + beta P_f_bar``, ``T_bar += 2 G T P_f`` (dense; only when ``want_T``: an m^3
@@ -854,7 +852,11 @@ def predict_cov_vjp(G, Tt, Pf, gT, Pf_bar, beta, GT, sx, tmp, g_finite=-1, want_
     when the caller knows whether G is finite, -1 to check)."""
     fin = all_finite(G) if g_finite < 0 else g_finite == 1
     if sx.use[0] and fin and np.isfinite(spmm(Tt.T, sx.Tt, G, GT)):  # GT <- T^T G = (G T)^T
-        spmm(Tt.T, sx.Tt, GT.T, Pf_bar, 1.0, beta)
+        if beta == 0.0:  # sums of scaled contiguous rows: P_f_bar = T^T (GT^T)
+            transpose_into(GT, tmp)
+            spmm(Tt.T, sx.Tt, tmp, Pf_bar)
+        else:
+            spmm(Tt.T, sx.Tt, GT.T, Pf_bar, 1.0, beta)
         if want_T:
             _add_product(GT.T, Pf, gT, 2.0, tmp)
         return
@@ -909,11 +911,17 @@ def predict_vjp(a_bar, P_bar, af, Pf, st, gst, sum_rq, Grq, G, W, Pf_bar, af_bar
                 Grq[i, l] += G[i, l]
     else:
         rq_vjp(G, st.R, st.Q, gst.R, gst.Q)
+    sparse = sx.use[0] and np.isfinite(np.sum(a_bar))  # T^T's zeros skipped (as in predict_mean)
     for i in range(m):  # c_bar += a'_bar; a_f_bar += T^T a'_bar; T_bar += a'_bar a_f^T
         gst.c[i] += a_bar[i]
         s = af_bar[i]
-        for l in range(m):
-            s += st.T[l, i] * a_bar[l]
+        if sparse:
+            for q in range(1, sx.Tt[i, 0] + 1):
+                l = sx.Tt[i, q]
+                s += st.T[l, i] * a_bar[l]
+        else:
+            for l in range(m):
+                s += st.T[l, i] * a_bar[l]
         af_bar[i] = s
         if want.T:
             for l in range(m):
