@@ -659,19 +659,20 @@ _COST_NOTES = "\n".join([
     "steps` - 1; adjoint = f+g - fwd; n/a below 10 full steps.",
     "- Last row: one call of a local level at n=10 (the fixed cost of a call).",
     "",
-    "What bounds the structural forward at about 5x its loop floor (the table: 2026-12-04 at load 0.8 on the 2 "
-    "cores; the before/after figures below: 2026-12-03 at load 10-13, so they run high):",
-    "- Since 2026-12-03 a one-observable step is a rank-one update on P_t (no Cholesky, symmetrization or copy); "
-    "the finiteness and steady-state tests ride on the passes that write P_f and P'.",
-    "- Effect: forward 3.06 -> 1.30-1.66 us per full step; statsmodels / forward 0.85-0.90 -> 1.17-1.56.",
-    "- The adjoint reverses that update in four merged passes instead of ten; T's dense cotangent goes to BLAS "
-    "without copies. f+g 7.9 -> 4.5-6.8 us per full step (3.9 in the table, on a quiet machine).",
-    "- Remaining (1): a per-step fixed cost, about 0.4 us forward and 1.2 us adjoint (the local level: 10 and 17 "
-    "multiply-adds cost 0.43 and 1.18 us). Each stage is a compiled call with about a hundred flattened "
-    "arguments.",
-    "- Remaining (2): loops over lists of nonzeros load an index per multiply-add, below the plain loops' rate.",
-    "- Remaining (3): passes the floor does not count: both triangles of P_f and P' are stored (they are "
-    "outputs), and sums check they are finite.",
+    "What bounds the structural forward at about 3.6x its loop floor (the table: 2026-12-04 at load ~1 on the 2 "
+    "cores):",
+    "- 2026-12-03: a one-observable step is a rank-one update on P_t (no Cholesky, symmetrization or copy); "
+    "the adjoint reverses it in four merged passes. Forward 3.06 -> 1.28 us per full step, f+g 7.9 -> 3.99.",
+    "- 2026-12-04, from perf of logp + gradient: the per-step time went to marshalling the NamedTuple "
+    "arguments of the stage calls (a 7 KB stack frame, pushes and spills before each call) and to passes that "
+    "summed a matrix in one floating-point chain (`all_finite`: 103 ns at m = 13, latency-bound). The stages of "
+    "a one-observable step are now inlined into the kernels; finiteness is tested by comparisons; "
+    "symmetrizations run by whole rows; T P_f T^T and T^T G T are two passes of row axpys. Forward 1.28 -> "
+    "0.84 us per full step, adjoint 2.71 -> 1.75, f+g 3.99 -> 2.58; the local level's per-step cost 0.50 -> "
+    "0.13 us forward, 0.98 -> 0.41 us adjoint (the fixed cost that was left).",
+    "- Remaining: loops over rows of 13 entries vectorise only in part (4 or 8 wide, then a scalar "
+    "remainder); loops over lists of nonzeros load an index per row axpy; both triangles of P_f and P' are stored (they are outputs); "
+    "the steady-state and finiteness tests read P' once more.",
     "- The adjoint's floor is dominated by T's dense cotangent (2 G T P_f: 2197 of 4086 multiply-adds, about 0.25 "
     "us by BLAS).",
 ])
