@@ -671,8 +671,8 @@ _COST_NOTES = "\n".join([
     "0.84 us per full step, adjoint 2.71 -> 1.75, f+g 3.99 -> 2.58; the local level's per-step cost 0.50 -> "
     "0.13 us forward, 0.98 -> 0.41 us adjoint (the fixed cost that was left).",
     "- Remaining: loops over rows of 13 entries vectorise only in part (4 or 8 wide, then a scalar "
-    "remainder); loops over lists of nonzeros load an index per row axpy; both triangles of P_f and P' are stored (they are outputs); "
-    "the steady-state and finiteness tests read P' once more.",
+    "remainder); loops over lists of nonzeros load an index per row axpy; both triangles of P_f and P' are "
+    "stored (they are outputs); the steady-state and finiteness tests read P' once more.",
     "- The adjoint's floor is dominated by T's dense cotangent (2 G T P_f: 2197 of 4086 multiply-adds, about 0.25 "
     "us by BLAS).",
 ])

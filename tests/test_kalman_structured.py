@@ -22,7 +22,11 @@ from test_kalman_steady import symbolic_inputs as plain_inputs
 
 from conftest import SCAN_ORACLE
 
-from iterops._linalg_kernels import all_finite, matmul, nonzero_index, spmm
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from iterops._linalg_kernels import all_finite, matmul, nonzero_index, spmm, sym_finite, sym_into
 
 INPUTS = ("y", "a0", "P0", "c", "d", "T", "Z", "R", "H", "Q")
 
@@ -63,6 +67,31 @@ def test_spmm_matches_dense_product(rng, density, shape):
     Y2 = rng.normal(size=(m, n))
     spmm(X.T, idx_t, Y2.T, out)
     np.testing.assert_allclose(out, X.T @ Y2.T, rtol=1e-13, atol=1e-13)
+
+
+# entries a filter meets: ordinary, huge (their sum overflows), tiny, zero, and not finite
+_ENTRIES = st.one_of(
+    st.floats(-1e3, 1e3), st.sampled_from([1e308, -1e308, 5e-324, 0.0, -0.0, np.inf, -np.inf, np.nan]),
+)
+
+
+@given(hnp.arrays(np.float64, hnp.array_shapes(min_dims=2, max_dims=2, min_side=1, max_side=16), elements=_ENTRIES))
+def test_finiteness_and_symmetrization_match_numpy(X):
+    """``all_finite`` is NumPy's ``isfinite(X).all()`` exactly (huge finite entries whose sum overflows
+    included); ``sym_into``/``sym_finite`` give ``(X + X^T) / 2``, exactly symmetric, and its finiteness."""
+    assert all_finite(X) == np.isfinite(X).all()
+    assert all_finite(np.asfortranarray(X)) == np.isfinite(X).all()
+    S = X[:, : min(X.shape)][: min(X.shape)]
+    S = np.ascontiguousarray(S)
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = 0.5 * (S + S.T)
+    out = np.empty_like(S)
+    sym_into(S, out)
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(out, out.T)
+    out2 = np.empty_like(S)
+    assert sym_finite(S, out2) == np.isfinite(expected).all()
+    np.testing.assert_array_equal(out2, expected)
 
 
 @pytest.mark.parametrize("shape", [(3, 4, 5), (14, 1, 14), (14, 14, 1), (1, 14, 14), (40, 2, 40), (14, 14, 14)])
