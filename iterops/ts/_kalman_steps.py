@@ -782,25 +782,20 @@ def predict_cov(Pf, Tt, RQR, P_next, W, Wt, sx, pf_finite, P_old, test):
     """P' = T P_f T^T + R sym(Q) R^T for a symmetric ``P_f``; ``W``, ``Wt`` scratch.
     T's zeros skipped when ``sx.use[0]`` and P_f, T P_f are finite (:class:`Structure`;
     ``pf_finite``: 1 or 0 when the caller knows whether P_f is finite, -1 to check): then both products
-    are sums of scaled rows (``W = T P_f``, ``P'[i] = RQR[i] + sum_l T[i, l] W^T[l]``, loops that vectorise)
-    and the upper triangle is mirrored.
+    are :func:`~iterops._linalg_kernels.spmm`'s sums of scaled rows (``W = T P_f``, then ``T W^T`` from W's
+    contiguous transpose), and ``R sym(Q) R^T`` is added on the upper triangle, mirrored.
     Returns ``(P' finite, converged)``: ``converged`` is the steady-state test
     ``max|P' - P_old| <= 1e-14 max|P'|`` against a symmetric ``P_old`` when ``test`` (else False)."""
     m = Pf.shape[0]
     fin = all_finite(Pf) if pf_finite < 0 else pf_finite == 1
     if sx.use[0] and fin and np.isfinite(spmm(Tt, sx.T, Pf, W)):
         transpose_into(W, Wt)
-        for i in range(m):
-            for jj in range(m):
-                P_next[i, jj] = RQR[i, jj]
-            for q in range(1, sx.T[i, 0] + 1):
-                l = sx.T[i, q]
-                x = Tt[i, l]
-                for jj in range(m):
-                    P_next[i, jj] += x * Wt[l, jj]
-        for i in range(m):  # mirror the upper triangle; P_new = P_next
-            for jj in range(i + 1, m):
-                P_next[jj, i] = P_next[i, jj]
+        spmm(Tt, sx.T, Wt, P_next)  # T (T P_f)^T
+        for i in range(m):  # + R sym(Q) R^T on the upper triangle, mirrored
+            for jj in range(i, m):
+                x = P_next[i, jj] + RQR[i, jj]
+                P_next[i, jj] = x
+                P_next[jj, i] = x
         return _triangle_test(P_next, P_old, test)
     matmul(Tt, Pf, W)
     if m > SMALL:
