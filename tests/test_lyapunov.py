@@ -398,3 +398,113 @@ def test_zero_size_system(mode, method):
     assert x.shape == ga.shape == gq.shape == (0, 0)
     assert sla.solve_discrete_lyapunov(np.zeros((0, 0)), np.zeros((0, 0))).shape == (0, 0)
     assert solve_discrete_lyapunov(np.zeros((3, 0, 0)), np.zeros((0, 0))).eval().shape == (3, 0, 0)
+
+
+# ---------------------------------------------------------------------------
+# PyTensor's own solve_discrete_lyapunov (method="bilinear") is replaced by the fused solver
+# ---------------------------------------------------------------------------
+
+
+def _builtin(A, Q):
+    return pt.linalg.solve_discrete_lyapunov(A, Q)  # method="bilinear", PyTensor's default
+
+
+def _op_names(f):
+    return {type(n.op).__name__ for n in f.maker.fgraph.apply_nodes}
+
+
+@pytest.mark.parametrize("case", ["stable", "near_unit_root", "unstable", "multiscale", "nonsymmetric_q"])
+def test_builtin_lyapunov_is_replaced_and_matches_scipy(case, rng):
+    """The default mode compiles the fused Op in place of PyTensor's; the value is scipy's solution, including
+    an unstable A (a unique solution that is no covariance) and entries many orders of magnitude apart."""
+    n = 6
+    a, q = stable(rng, n, 0.9), spd(rng, n)
+    if case == "near_unit_root":
+        a = stable(rng, n, 1 - 1e-6)
+    elif case == "unstable":
+        a = stable(rng, n, 1.3)
+    elif case == "multiscale":
+        a = np.diag([0.99, 0.5, 1e-3, 0.9, -0.7, 0.2])
+        q = np.diag([1e8, 1.0, 1e-8, 1e-4, 1e4, 1.0])
+    elif case == "nonsymmetric_q":
+        q = rng.normal(size=(n, n))
+    A, Q = pt.matrix("A"), pt.matrix("Q")
+    f = pytensor.function([A, Q], _builtin(A, Q))
+    assert "DiscreteLyapunov" in _op_names(f) and "SolveBilinearDiscreteLyapunov" not in _op_names(f)
+    ref = sla.solve_discrete_lyapunov(a, q)
+    x = f(a, q)
+    if case == "multiscale":  # every entry to its own precision
+        np.testing.assert_allclose(x, ref, rtol=1e-10, atol=0)
+    else:
+        np.testing.assert_allclose(x, ref, rtol=1e-8, atol=1e-10 * np.max(np.abs(ref)))
+
+
+def test_builtin_lyapunov_kept_when_iterops_is_off(rng):
+    """``mode.excluding("iterops")`` and the process-wide switch keep PyTensor's Op."""
+    import iterops
+
+    A, Q = pt.matrix("A"), pt.matrix("Q")
+    X = _builtin(A, Q)
+    f = pytensor.function([A, Q], X, mode=pytensor.compile.mode.get_default_mode().excluding("iterops"))
+    assert "SolveBilinearDiscreteLyapunov" in _op_names(f)
+    with iterops.fusion.disabled():
+        g = pytensor.function([A, Q], X)
+    assert "SolveBilinearDiscreteLyapunov" in _op_names(g)
+    a, q = stable(rng, 4, 0.8), spd(rng, 4)
+    np.testing.assert_allclose(f(a, q), sla.solve_discrete_lyapunov(a, q), rtol=1e-10)
+
+
+def test_builtin_lyapunov_batched_float32_and_types(rng):
+    """Batched A with a shared Q, and float32 inputs: the built-in's output type (float32 in, float64 out) is
+    kept, and every batch member is scipy's solution."""
+    a = np.stack([stable(rng, 3, r) for r in (0.3, 0.8, 0.99)])
+    q = spd(rng, 3)
+    A3, Q = pt.tensor3("A"), pt.matrix("Q")
+    X3 = _builtin(A3, Q)
+    f = pytensor.function([A3, Q], X3)
+    assert "SolveBilinearDiscreteLyapunov" not in _op_names(f)
+    assert f.maker.fgraph.outputs[0].type.dtype == X3.type.dtype and f.maker.fgraph.outputs[0].type.ndim == 3
+    x = f(a, q)
+    for k in range(3):
+        np.testing.assert_allclose(x[k], sla.solve_discrete_lyapunov(a[k], q), rtol=1e-9)
+    Af, Qf = pt.fmatrix("A"), pt.fmatrix("Q")
+    Xf = _builtin(Af, Qf)
+    g = pytensor.function([Af, Qf], Xf)
+    assert "SolveBilinearDiscreteLyapunov" not in _op_names(g)
+    a32, q32 = a[1].astype("float32"), q.astype("float32")
+    out = g(a32, q32)
+    assert out.dtype == Xf.type.dtype == "float64"
+    np.testing.assert_allclose(out, sla.solve_discrete_lyapunov(a32.astype(float), q32.astype(float)), rtol=1e-9)
+
+
+def test_builtin_lyapunov_gradient_through_pymc_pregrad_pass(rng):
+    """PyMC's pre-gradient pass (``rewrite_pregrad``) swaps the Op before ``pytensor.grad``, so the gradient is
+    the fused Op's implicit one: equal to autodiff of PyTensor's own solver (iterops off) and to finite
+    differences."""
+    from pymc.pytensorf import rewrite_pregrad
+    from pytensor.graph.traversal import applys_between
+
+    import iterops
+
+    n = 5
+    a, q, w = stable(rng, n, 0.95), spd(rng, n), rng.normal(size=(n, n))
+    A, Q = pt.matrix("A"), pt.matrix("Q")
+    fused = rewrite_pregrad((_builtin(A, Q) * w).sum())  # rewrites in place: a graph of its own
+    assert "DiscreteLyapunov" in {type(nd.op).__name__ for nd in applys_between([A, Q], [fused])}
+    f = pytensor.function([A, Q], pytensor.grad(fused, [A, Q]))
+    cost = (_builtin(A, Q) * w).sum()
+    with iterops.fusion.disabled():
+        ref = pytensor.function([A, Q], pytensor.grad(cost, [A, Q]))
+    assert "DiscreteLyapunov" not in _op_names(ref)
+    for got, want in zip(f(a, q), ref(a, q)):
+        np.testing.assert_allclose(got, want, rtol=1e-8, atol=1e-10)
+    verify_grad(lambda A, Q: (rewrite_pregrad((_builtin(A, Q) * w).sum())), [a, q], rng=rng)
+
+
+def test_builtin_lyapunov_singular_equation_is_nan(rng):
+    """An exact unit root (lambda_i lambda_j = 1) leaves no unique solution: the fused Op's documented failure
+    value, all NaN, so a sampler rejects the point."""
+    A, Q = pt.matrix("A"), pt.matrix("Q")
+    f = pytensor.function([A, Q], _builtin(A, Q))
+    a = np.array([[1.0, 0.3], [0.0, 0.5]])
+    assert np.all(np.isnan(f(a, np.eye(2))))

@@ -137,6 +137,24 @@ def test_random_stable_matches_scan(m, rho, seed, stop):
     check_fixed_point(a, q, x0, 1e-9, 1000, stop, rtol=1e-10, rng=rng)
 
 
+_ENTRY = st.one_of(st.floats(-1e-3, 1e-3), st.sampled_from([0.0, 1e-10, -1e-10, np.nan, np.inf, -np.inf, 1e300]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(new=st.lists(_ENTRY, min_size=6, max_size=6), old=st.lists(_ENTRY, min_size=6, max_size=6),
+       tol=st.sampled_from([1e-10, 1e-4, 0.0, -1.0, np.nan, np.inf]), stop=st.sampled_from(["max_lt", "max_le"]),
+       dtype=st.sampled_from(["float32", "float64"]))
+def test_max_stop_rule_matches_numpy(new, old, tol, stop, dtype):
+    """The kernels' max-abs stop test is the user's ``pt.max(pt.abs(new - old)) < tol`` (or ``<=``) as NumPy
+    computes it (the change in the loop dtype, compared in float64; a NaN change, or an inf one, never stops)."""
+    from iterops.linalg.lyapunov_iteration import _STOPS, _stopped
+
+    new, old = np.array(new, dtype=dtype).reshape(2, 3), np.array(old, dtype=dtype).reshape(2, 3)
+    with np.errstate(invalid="ignore", over="ignore"):
+        change = np.float64(np.max(np.abs(new - old)))
+    assert _stopped(new, old, tol, _STOPS[stop]) == bool(change < tol if stop == "max_lt" else change <= tol)
+
+
 @pytest.mark.parametrize("stop", STOPS)
 def test_stop_kinds_on_exact_arithmetic(stop):
     """A = I/2, Q = I, X0 = 0: every iterate and change is exact in binary, so each stop rule

@@ -35,8 +35,8 @@ process-wide switch::
     iterops.fusion.set_enabled(False)      # the same, until set_enabled(True)
 
 While disabled, every iterops rewrite (``iterops_fuse_loops`` in ``optdb``
-and ``canonicalize``, and :func:`iterops.fuse_loops`) leaves graphs
-unchanged; ``iterops.explain`` still reports what *would* be replaced.  The
+and ``canonicalize``, ``iterops_builtin_lyapunov`` and
+:func:`iterops.fuse_loops`) leaves graphs unchanged; ``iterops.explain`` still reports what *would* be replaced.  The
 switch is read when a graph is rewritten, i.e. while compiling: a function
 compiled inside the block keeps its Scans after the block ends, and one
 compiled before it keeps its fused Ops.  Explicit calls of the fused Ops

@@ -71,7 +71,9 @@ from numba.extending import overload
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.graph.basic import Apply
+from pytensor.graph.rewriting.basic import copy_stack_trace, node_rewriter
 from pytensor.link.numba.dispatch.linalg.decomposition.schur import schur_complex
+from pytensor.tensor.linalg.solvers.linear_control import SolveBilinearDiscreteLyapunov
 from pytensor.tensor.variable import TensorVariable
 
 from iterops._fused import (
@@ -81,7 +83,7 @@ from iterops._implicit import implicit_pullback, implicit_pushforward
 from iterops._linalg_kernels import copy_into, mm
 from iterops._validate import as_tensor, check_dim_match, check_shape, check_square, float_dtype
 
-__all__ = ["solve_discrete_lyapunov", "DiscreteLyapunov", "lyapunov_kernel"]
+__all__ = ["solve_discrete_lyapunov", "DiscreteLyapunov", "lyapunov_kernel", "builtin_lyapunov_to_fused"]
 
 _METHODS = {"auto": 0, "doubling": 1, "schur": 2}
 _ON_FAILURE = ("nan", "raise")
@@ -458,3 +460,30 @@ def solve_discrete_lyapunov(
     check_dim_match(func, "A", A.type.shape[-1], "Q", Q.type.shape[-1], "A and Q must have the same n (last dimension)")
     op = DiscreteLyapunov(method=method, tol=tol or 0.0, max_iter=max_iter, on_failure=on_failure)
     return apply_batched(op, A, Q)
+
+
+@node_rewriter([SolveBilinearDiscreteLyapunov])
+def builtin_lyapunov_to_fused(fgraph, node):
+    """PyTensor's ``pt.linalg.solve_discrete_lyapunov(A, Q)`` (``method="bilinear"``, its default; pymc-extras'
+    stationary initialisation of SARIMAX and VARMAX) -> :func:`solve_discrete_lyapunov`.
+
+    Both return the unique solution of ``A X A^T - X + Q = 0``, to rounding; the built-in gets there by three LU
+    solves, two real Schur forms and a Sylvester solve, and its gradient by autodiff through them, the fused Op in
+    one kernel with an implicit gradient (n = 14: forward about 4x, forward + gradient about 6x cheaper).
+
+    Real float outputs only (complex ones keep the built-in).  ``A`` and ``Q`` are cast to the output's dtype
+    first, as the built-in's solves upcast them (float32 inputs give a float64 ``X``).  Where the equation has no
+    unique solution (``lambda_i lambda_j = 1``, within ``1e3`` eps: an exact unit root) the built-in returns
+    rounding noise, and the fused Op its documented failure value, an all-NaN ``X``.
+
+    Registered by :mod:`iterops.rewrites` in ``canonicalize``, so PyMC's pre-gradient pass differentiates the
+    fused Op; off with ``mode.excluding("iterops")`` or :func:`iterops.fusion.disabled`."""
+    (X,) = node.outputs
+    A, Q = node.inputs
+    if X.type.dtype not in ("float32", "float64") or any(v.type.dtype.startswith("complex") for v in (A, Q)):
+        return None
+    new = solve_discrete_lyapunov(pt.cast(A, X.type.dtype), pt.cast(Q, X.type.dtype))
+    if new.type.dtype != X.type.dtype or new.type.ndim != X.type.ndim:
+        return None
+    copy_stack_trace(X, new)
+    return [new]

@@ -205,13 +205,14 @@ def _stopped(new, old, tol, stop):
                 d = new[i, j] - old[i, j]
                 s += d * d
         return np.float64(np.sqrt(s)) < tol
-    mx = -np.inf  # pt.max(pt.abs(new - old)), NaN-propagating like PyTensor's Max
+    # pt.max(pt.abs(new - old)) < tol (or <=): every |d| < tol, a NaN one failing as PyTensor's NaN-propagating
+    # Max does.  Returns at the first entry that fails: far from convergence that is the first one.
     for i in range(m):
         for j in range(p):
-            a = np.abs(new[i, j] - old[i, j])
-            if a != a or a > mx:
-                mx = a
-    return mx < tol if stop == 1 else mx <= tol
+            a = np.float64(np.abs(new[i, j] - old[i, j]))
+            if not (a < tol if stop == 1 else a <= tol):
+                return False
+    return True
 
 
 @numba.njit(cache=True)

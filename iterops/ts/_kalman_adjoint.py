@@ -428,12 +428,13 @@ def _steady_reverse_steps(stretch, tape, system, cot, grad, state, cache, sw, su
             af[i] = x
         for i in range(m):  # a' = T a_f + c: c_bar += a'_bar, a_f_bar = T^T a'_bar, T_bar += a'_bar a_f^T
             gc[ic, i] += abar[i]
-            x = g_af[s, i] if has_af else 0.0
-            for l in range(m):
-                x += Tt[l, i] * abar[l]
-            af_bar[i] = x
+            af_bar[i] = g_af[s, i] if has_af else 0.0
+        for l in range(m):  # T^T a'_bar by rows of T: the same sums, in the same order, without a chain of adds
+            x = abar[l]
+            for i in range(m):
+                af_bar[i] += Tt[l, i] * x
             for j in range(m):
-                gT[i, j] += abar[i] * af[j]
+                gT[l, j] += x * af[j]
         ll_bar = cot.loglik + (g_llobs[s] if has_llobs else 0.0)
         for i in range(p):  # u = K^T a_f_bar
             x = 0.0

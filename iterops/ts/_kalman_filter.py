@@ -153,7 +153,7 @@ def filter_into(y, a0, P0, system, options, out, univariate, need_F):
         predict_mean(af, st.c, st.T, ap[t + 1], sx)
         if steady and k == p:  # freeze the covariance recursion at P_t
             copy_into(Pp[t], Pp[t + 1])
-            t, part = _steady_run(t + 1, y, system, options, logdet, L, K, w, out)
+            t, part = _steady_run(t + 1, y, system, options, logdet, L, K, w, out, sx)
             total += part
             steady = False
             p_fin = -1
@@ -196,11 +196,11 @@ def _converged(P_new, P_old):
 
 
 @numba.njit(cache=True)
-def _steady_run(t, y, system, options, logdet, L, K, w, out):
+def _steady_run(t, y, system, options, logdet, L, K, w, out, sx):
     """Filter steps t, t+1, ... with the covariance recursion frozen at ``P_{t-1}`` (whose
     update, ``F, L = chol(F), K, P_f``, is that of step t - 1), until a step has a missing component.  Only
-    the mean recursion runs; the loop indexes the output arrays directly (no per-step views).
-    Returns (next t, sum of ll)."""
+    the mean recursion runs, its prediction over T's nonzeros (``sx``) as in a full step; the loop indexes
+    the output arrays directly.  Returns (next t, sum of ll)."""
     n, p = y.shape
     c, d, Tt, Zt = system.c, system.d, system.T[0], system.Z[0]
     m = Tt.shape[0]
@@ -227,11 +227,7 @@ def _steady_run(t, y, system, options, logdet, L, K, w, out):
             for j in range(p):
                 s += K[i, j] * v[t, j]
             af[t, i] = s
-        for i in range(m):
-            s = c[ic, i]
-            for l in range(m):
-                s += Tt[i, l] * af[t, l]
-            ap[t + 1, i] = s
+        predict_mean(af[t], c[ic], Tt, ap[t + 1], sx)  # as a full step: T's zeros skipped
         for i in range(p):
             for j in range(p):
                 F[t, i, j] = Fss[i, j]
