@@ -124,6 +124,26 @@ def test_steady_values_match_dense_stepwise(filter_fns, jitter):
         np.testing.assert_allclose(ours, ref, rtol=1e-9, atol=1e-10, equal_nan=True, err_msg=name)
 
 
+@pytest.mark.parametrize("read", ["loglik", "loglik+predicted_cov", "loglik+filtered_cov"])
+def test_unread_covariances_skip_the_frozen_copies(read):
+    """A graph that reads the log-likelihood but not ``filtered_cov`` / ``predicted_cov`` (PyMC's logp) compiles
+    a filter that leaves those rows of a steady stretch unwritten (``KalmanFilter.unused``); the next full
+    step, after a gap, must still start from the frozen P.  What the graph reads equals the step-by-step
+    filter's, over two gaps that each end a steady stretch."""
+    model = steady_model(1, 3, 2, 3, 300)
+    model["y"][150, 0] = np.nan
+    model["y"][220, :] = np.nan
+    ins = symbolic_inputs()
+    res = call_filter(ins, cov_jitter=1e-8)
+    names = read.split("+")
+    f = pytensor.function(ins, [getattr(res, k) for k in names])
+    (op,) = [nd.op for nd in f.maker.fgraph.apply_nodes if type(nd.op).__name__ == "KalmanFilter"]
+    assert set(op.unused) == {"filtered_cov", "predicted_cov"} - set(names)
+    ref = dict(zip(FIELDS, dense_filter(model, 1e-8)))
+    for name, ours in zip(names, f(*args_of(model))):
+        np.testing.assert_allclose(ours, ref[name], rtol=1e-9, atol=1e-10, err_msg=name)
+
+
 def test_steady_values_match_statsmodels_without_jitter(filter_fns):
     model = steady_model(2, 4, 2, 2, 250)
     model["y"][100, 1] = np.nan
