@@ -36,10 +36,11 @@ process-wide switch::
 
 While disabled, every iterops rewrite (``iterops_fuse_loops`` in ``optdb``
 and ``canonicalize``, ``iterops_builtin_lyapunov`` and
-:func:`iterops.fuse_loops`) leaves graphs unchanged; ``iterops.explain`` still reports what *would* be replaced.  The
-switch is read when a graph is rewritten, i.e. while compiling: a function
-compiled inside the block keeps its Scans after the block ends, and one
-compiled before it keeps its fused Ops.  Explicit calls of the fused Ops
+:func:`iterops.fuse_loops`) leaves graphs unchanged; ``iterops.explain``
+still reports what *would* be replaced.  The switch is read when a graph
+is rewritten, i.e. while compiling: a function compiled inside the block
+keeps its Scans after the block ends, and one compiled before it keeps its
+fused Ops.  Explicit calls of the fused Ops
 (``iterops.solve_discrete_lyapunov``, ...) are not affected.
 """
 

@@ -242,8 +242,8 @@ INPUT_COTANGENTS = Struct(InputCotangents, y=2, a0=1, P0=2, system=SYSTEM)
 DIFFUSE_OUTPUTS = Struct(DiffuseOutputs, **FILTER_OUTPUTS.kinds, predicted_inf=3)
 
 #: the arguments of each C-ABI kernel below (every one has the signature :data:`iterops._abi.SIGNATURE`)
-FILTER_ABI = Abi(inputs=INPUTS, options=OPTIONS, mode=Struct(Mode, univariate="i", need_F="b", need_Pf="b", need_Pp="b"),
-                 out=FILTER_OUTPUTS)
+FILTER_ABI = Abi(inputs=INPUTS, options=OPTIONS,
+                 mode=Struct(Mode, univariate="i", need_F="b", need_Pf="b", need_Pp="b"), out=FILTER_OUTPUTS)
 ADJOINT_ABI = Abi(inputs=INPUTS, options=OPTIONS, predicted=MOMENTS, cot=COTANGENTS, grad=INPUT_COTANGENTS,
                   want=Struct(Wanted, T="b", Z="b"))
 DIFFUSE_FILTER_ABI = Abi(inputs=INPUTS, options=OPTIONS, start=Struct(DiffuseStart, P_inf=2, status=1),
