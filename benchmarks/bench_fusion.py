@@ -97,7 +97,19 @@ def run(quick: bool) -> list[Section]:
         title="Scan -> fused Op rewrite (forward + gradient, NUMBA)",
         columns=["loop", "size", "Scan (ms)", "fused (ms)", "speed-up"],
         notes="Same user graph; Scan = `excluding('iterops')` + autodiff of the Scan; fused = `iterops.fuse_loops` "
-              "then `pytensor.grad`.",
+              "then `pytensor.grad`.\n\n"
+              "Why the Lyapunov-loop and Levinson rows are short of 3x (measured 2026-12-04, load 0.5):\n"
+              "- Fixed point (234 steps here): each step is two dependent 10 x 10 gemm calls forward and two in "
+              "the reverse, so both passes are bound by BLAS-call latency (0.43 and 0.67 us per step). Summing the "
+              "reverse's independent A_bar products by one gemm per 32 steps left the undamped reverse unchanged "
+              "(and doubled it at m = 40): not kept. What did move it: the max-abs stop test returns at the first "
+              "entry over the tolerance (160 ns -> a few ns per step), 1.75x -> about 3x.\n"
+              "- Smith doubling (10 steps): fused 32 us, of which the forward kernel 7 and the adjoint 21 (it runs "
+              "the loop again to keep its iterates; sharing the forward's trace, as the fixed point does, would "
+              "save the 7 us: not done). Levinson-Durbin order 12: 6 us fused, mostly per-call cost.\n"
+              "- The 2026-12-02 run (doubling 4.38x, Levinson 4.61x) was at a heavier load: the Scans then took "
+              "9x and 2.6x their time here, the fused Ops 4x and 1.6x, so ratios of these short loops move with "
+              "the load.",
     )
     for name, build, inputs, vals in cases:
         f_scan = _fwd_grad(build, inputs, fused=False)
@@ -208,13 +220,14 @@ def _pymc_extras_section(quick: bool) -> Section:
               "`solve_discrete_lyapunov` (the stationary P0) and its autodiff took about 0.23 ms, the two Kalman "
               "Ops 0.26 ms of the 0.44 ms logp + dlogp; the built-in's forward alone was 77 us of logp's 102. "
               "Since 2026-12-04 iterops compiles PyTensor's solver as its own (`iterops_builtin_lyapunov`: 20 "
-              "and 35 us for the forward and forward + gradient at n = 14, against 77 and 227): logp + dlogp "
-              "0.46 -> 0.35 ms. Measured against a baseline that also has the fused solver (only the Scan "
-              "patterns off) the ratio is the same within noise (10.3x against 10.1x), as the Scan's 3.5 ms "
-              "dominates it. What is left: the frozen steps' mean path (forward 0.17 us, reverse 0.45 us per "
-              "step), in the reverse the test that a step is frozen (bitwise P_t == P_ss, m^2 compares per "
-              "step, 28% of the stretch) and the rank-one T_bar update; in the forward the copies of P_f, P "
-              "into outputs logp never reads.",
+              "and 35 us for the forward and forward + gradient at n = 14, against 77 and 227), and a steady "
+              "stretch no longer copies the frozen P_f and P into outputs nothing reads (logp reads neither, "
+              "dlogp reads P, for the reverse): logp 102 -> 57 us, dlogp 339 -> 266 us, logp + dlogp 0.46 -> "
+              "0.33 ms. Against a baseline that also has the fused solver (only the Scan patterns off) the "
+              "ratio is the same within noise (10.3x against 10.1x, measured before the second change), as "
+              "the Scan's 3.5 ms dominates it. What is left (perf, dlogp): the frozen steps' reverse (0.45 us "
+              "per step; the test that a step is frozen, P_t == P_ss entry by entry, is 28% of it) and the "
+              "forward's copy of P into the tape the reverse reads.",
     )
     cases = [("local linear trend", 500, _local_level_model, 3.0),
              ("level + trend + seasonal(12)", 240, _structural_model, 10.0),

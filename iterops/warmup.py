@@ -106,6 +106,8 @@ def _graphs(dtype: str):
             np.eye(2), np.eye(1), np.eye(2)]
     out.append(("kalman_filter, kalman_smoother", ins,
                 [res.loglik, sm.smoothed_state, *grads(res.loglik + res.filtered_state.sum(), ins[1:])], vals))
+    # a PyMC logp reads the log-likelihood alone: the filter variant that skips the unread covariances
+    out.append(("kalman_filter (log-likelihood only)", ins, [res.loglik], vals))
 
     c, b = pt.vector("c", dtype=dtype), pt.vector("b", dtype=dtype)
     x = iterops.solve_toeplitz(c, b)

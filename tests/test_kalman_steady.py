@@ -126,9 +126,9 @@ def test_steady_values_match_dense_stepwise(filter_fns, jitter):
 
 @pytest.mark.parametrize("read", ["loglik", "loglik+predicted_cov", "loglik+filtered_cov"])
 def test_unread_covariances_skip_the_frozen_copies(read):
-    """A graph that reads the log-likelihood but not ``filtered_cov`` / ``predicted_cov`` (PyMC's logp) compiles
-    a filter that leaves those rows of a steady stretch unwritten (``KalmanFilter.unused``); the next full
-    step, after a gap, must still start from the frozen P.  What the graph reads equals the step-by-step
+    """A graph that reads the log-likelihood but neither ``filtered_cov`` nor ``predicted_cov`` (PyMC's logp)
+    compiles a filter that leaves their rows of a steady stretch unwritten (``covariances=False``); the next
+    full step, after a gap, must still start from the frozen P.  What the graph reads equals the step-by-step
     filter's, over two gaps that each end a steady stretch."""
     model = steady_model(1, 3, 2, 3, 300)
     model["y"][150, 0] = np.nan
@@ -138,7 +138,7 @@ def test_unread_covariances_skip_the_frozen_copies(read):
     names = read.split("+")
     f = pytensor.function(ins, [getattr(res, k) for k in names])
     (op,) = [nd.op for nd in f.maker.fgraph.apply_nodes if type(nd.op).__name__ == "KalmanFilter"]
-    assert set(op.unused) == {"filtered_cov", "predicted_cov"} - set(names)
+    assert op.covariances == (names != ["loglik"])
     ref = dict(zip(FIELDS, dense_filter(model, 1e-8)))
     for name, ours in zip(names, f(*args_of(model))):
         np.testing.assert_allclose(ours, ref[name], rtol=1e-9, atol=1e-10, err_msg=name)

@@ -79,14 +79,14 @@ def kalman_filter_kernel(y, a0, P0, system, options, univariate=MULTIVARIATE, ne
     """
     n, p = y.shape
     out = filter_outputs(n, a0.shape[0], p)
-    return filter_into(y, a0, P0, system, options, out, univariate, need_F, True, True), out
+    return filter_into(y, a0, P0, system, options, out, univariate, need_F, True), out
 
 
 @numba.njit(cache=True, inline="always")
-def filter_into(y, a0, P0, system, options, out, univariate, need_F, need_Pf, need_Pp):
+def filter_into(y, a0, P0, system, options, out, univariate, need_F, need_P):
     """:func:`kalman_filter_kernel` writing into preallocated :class:`FilterOutputs`; returns the log-likelihood.
-    ``need_Pf`` / ``need_Pp`` False (nothing reads ``filtered_cov`` / ``predicted_cov``): a steady stretch
-    leaves that output's rows unwritten (:func:`_steady_run`); the other steps use them as work arrays."""
+    ``need_P`` False (nothing reads ``filtered_cov`` or ``predicted_cov``): a steady stretch leaves their rows
+    unwritten (:func:`_steady_run`); the other steps use them as work arrays."""
     n, p = y.shape
     m = a0.shape[0]
     r = system.Q.shape[1]
@@ -155,7 +155,7 @@ def filter_into(y, a0, P0, system, options, out, univariate, need_F, need_Pf, ne
         predict_mean(af, st.c, st.T, ap[t + 1], sx)
         if steady and k == p:  # freeze the covariance recursion at P_t
             copy_into(Pp[t], Pp[t + 1])
-            t, part = _steady_run(t + 1, y, system, options, logdet, L, K, w, out, sx, need_Pf, need_Pp)
+            t, part = _steady_run(t + 1, y, system, options, logdet, L, K, w, out, sx, need_P)
             total += part
             steady = False
             p_fin = -1
@@ -198,13 +198,13 @@ def _converged(P_new, P_old):
 
 
 @numba.njit(cache=True)
-def _steady_run(t, y, system, options, logdet, L, K, w, out, sx, need_Pf, need_Pp):
+def _steady_run(t, y, system, options, logdet, L, K, w, out, sx, need_P):
     """Filter steps t, t+1, ... with the covariance recursion frozen at ``P_{t-1}`` (whose
     update, ``F, L = chol(F), K, P_f``, is that of step t - 1), until a step has a missing component.  Only
     the mean recursion runs, its prediction over T's nonzeros (``sx``) as in a full step; the loop indexes
     the output arrays directly.  The frozen covariances are copied into ``filtered_cov`` and
-    ``predicted_cov`` only where they are read (``need_Pf``, ``need_Pp``), but for the row a full step
-    resumes from.  Returns (next t, sum of ll)."""
+    ``predicted_cov`` only where those are read (``need_P``), but for the row a full step resumes from.
+    Returns (next t, sum of ll)."""
     n, p = y.shape
     c, d, Tt, Zt = system.c, system.d, system.T[0], system.Z[0]
     m = Tt.shape[0]
@@ -235,14 +235,12 @@ def _steady_run(t, y, system, options, logdet, L, K, w, out, sx, need_Pf, need_P
         for i in range(p):
             for j in range(p):
                 F[t, i, j] = Fss[i, j]
-        for i in range(m if need_Pf else 0):
+        for i in range(m if need_P else 0):
             for j in range(m):
                 Pf[t, i, j] = Pfss[i, j]
-        for i in range(m if need_Pp else 0):
-            for j in range(m):
                 Pp[t + 1, i, j] = Pss[i, j]
         t += 1
-    if not need_Pp and t < n:  # the next full step reads P_t
+    if not need_P and t < n:  # the next full step reads P_t
         for i in range(m):
             for j in range(m):
                 Pp[t, i, j] = Pss[i, j]

@@ -206,13 +206,12 @@ class Moments(NamedTuple):
 
 
 class Mode(NamedTuple):
-    """How the forward kernel runs: the update mode (:data:`UPDATE_MODES`), whether ``F``, ``filtered_cov`` and
-    ``predicted_cov`` are read (:func:`kalman_unused_outputs`)."""
+    """How the forward kernel runs: the update mode (:data:`UPDATE_MODES`), whether ``F`` is read, whether
+    ``filtered_cov`` or ``predicted_cov`` is (:func:`kalman_unused_outputs`)."""
 
     univariate: int
     need_F: bool
-    need_Pf: bool
-    need_Pp: bool
+    need_P: bool
 
 
 class DiffuseStart(NamedTuple):
@@ -243,7 +242,7 @@ DIFFUSE_OUTPUTS = Struct(DiffuseOutputs, **FILTER_OUTPUTS.kinds, predicted_inf=3
 
 #: the arguments of each C-ABI kernel below (every one has the signature :data:`iterops._abi.SIGNATURE`)
 FILTER_ABI = Abi(inputs=INPUTS, options=OPTIONS,
-                 mode=Struct(Mode, univariate="i", need_F="b", need_Pf="b", need_Pp="b"), out=FILTER_OUTPUTS)
+                 mode=Struct(Mode, univariate="i", need_F="b", need_P="b"), out=FILTER_OUTPUTS)
 ADJOINT_ABI = Abi(inputs=INPUTS, options=OPTIONS, predicted=MOMENTS, cot=COTANGENTS, grad=INPUT_COTANGENTS,
                   want=Struct(Wanted, T="b", Z="b"))
 DIFFUSE_FILTER_ABI = Abi(inputs=INPUTS, options=OPTIONS, start=Struct(DiffuseStart, P_inf=2, status=1),
@@ -371,8 +370,7 @@ def _filter_abi(ptrs, dims, vals):
     """C-ABI barrier around :func:`iterops.ts._kalman_filter.filter_into` (arguments: :data:`FILTER_ABI`;
     see :class:`iterops._fused.OpaqueKernel` for why).  Returns the log-likelihood."""
     x, options, mode, out = _filter_args(ptrs, dims, vals)
-    return filter_into(x.y, x.a0, x.P0, x.system, options, out, mode.univariate, mode.need_F, mode.need_Pf,
-                       mode.need_Pp)
+    return filter_into(x.y, x.a0, x.P0, x.system, options, out, mode.univariate, mode.need_F, mode.need_P)
 
 
 @opaque_kernel(SIGNATURE)
@@ -390,14 +388,13 @@ _filter_abi.companions = ("iterops.ts.kalman._adjoint_abi",)
 
 @entry_point
 def _filter_entry(tv: tuple, jitter: float, mv: float, use_mv: bool, univariate="auto", forecast_cov: bool = True,
-                  unused: tuple = ()):
-    update, need_F = UPDATE_MODES[univariate], bool(forecast_cov)
-    need_Pf, need_Pp = "filtered_cov" not in unused, "predicted_cov" not in unused
+                  covariances: bool = True):
+    update, need_F, need_P = UPDATE_MODES[univariate], bool(forecast_cov), bool(covariances)
     abi, pack = _filter_abi.external, FILTER_ABI.pack  # opaque call: a new graph does not recompile the kernel
 
     @numba.njit
     def kalman_filter_fn(*args):
-        options, mode = Options(jitter, mv, use_mv), Mode(update, need_F, need_Pf, need_Pp)
+        options, mode = Options(jitter, mv, use_mv), Mode(update, need_F, need_P)
         x = inputs_of(args)
         check_inputs("kalman_filter", x, tv)
         (n, p), m = x.y.shape, x.a0.shape[0]
@@ -474,20 +471,21 @@ class KalmanFilter(KalmanOpBase):
     ``"auto"``, True or False, the forward's measurement update, :func:`kalman_filter`).
     ``forecast_cov=False`` (set by the rewrite :func:`kalman_unused_outputs` when nothing uses
     the output): univariate steps leave ``forecast_error_cov`` NaN instead of computing it.
-    ``unused`` (the same rewrite; of :data:`_UNUSED_COVS`): outputs nothing reads, whose rows a steady
-    stretch leaves unwritten (their values there are unspecified)."""
+    ``covariances=False`` (the same rewrite, when nothing reads ``filtered_cov`` or ``predicted_cov``, as in
+    PyMC's logp): a steady stretch leaves their rows unwritten (unspecified values).  One flag for both, so
+    that graphs reading either share one compiled variant."""
 
-    __props__ = (*KalmanOpBase.__props__, "univariate", "forecast_cov", "unused")
+    __props__ = (*KalmanOpBase.__props__, "univariate", "forecast_cov", "covariances")
     gufunc_signature = ",".join(IN_SIG) + "->" + ",".join(_OUT_SIG)
 
     def __init__(self, time_varying=(False,) * 7, cov_jitter=0.0, missing_value=None, univariate="auto",
-                 forecast_cov=True, unused=()):
+                 forecast_cov=True, covariances=True):
         super().__init__(time_varying, cov_jitter, missing_value)
         if univariate not in UPDATE_MODES:
             raise ValueError(f"univariate must be 'auto', True or False, got {univariate!r}")
         self.univariate = univariate if univariate == "auto" else bool(univariate)
         self.forecast_cov = bool(forecast_cov)
-        self.unused = tuple(x for x in _UNUSED_COVS if x in unused)
+        self.covariances = bool(covariances)
 
     def make_node(self, *inputs):
         inputs = [pt.as_tensor_variable(x) for x in inputs]
@@ -509,7 +507,7 @@ class KalmanFilter(KalmanOpBase):
         return [(), (n,), (n, m), (n, m, m), (n + 1, m), (n + 1, m, m), (n, p), (n, p, p)]
 
     def numba_fn(self, node):
-        return _filter_entry(*self._entry_args(), self.univariate, self.forecast_cov, self.unused)
+        return _filter_entry(*self._entry_args(), self.univariate, self.forecast_cov, self.covariances)
 
     def pullback(self, inputs, outputs, cotangents):
         connected = [not isinstance(g.type, DisconnectedType) for g in cotangents]
@@ -564,8 +562,6 @@ class KalmanFilterGrad(KalmanOpBase):
 #: the inputs whose cotangents :class:`KalmanFilterGrad` can leave out (``unused``): each costs O(m^3) (T) or
 #: O(m^2) (Z) per step; the others cost O(m) per step or are computed once
 _SKIPPABLE = ("T", "Z")
-#: the :class:`KalmanFilter` outputs a steady stretch need not write (:func:`kalman_unused_outputs`)
-_UNUSED_COVS = ("filtered_cov", "predicted_cov")
 
 
 @node_rewriter([Blockwise, KalmanFilter, KalmanFilterGrad])
@@ -574,8 +570,9 @@ def kalman_unused_outputs(fgraph, node):
 
     * :class:`KalmanFilter` whose ``forecast_error_cov`` is unused gets ``forecast_cov=False``: its univariate
       steps skip ``F = Z P Z^T + H`` (O(p m^2 + p^2 m) per step, the multivariate update's cost the univariate
-      one avoids).  Unused ``filtered_cov`` / ``predicted_cov`` go to ``unused``: a steady stretch skips
-      their per-step copies (2 m^2 per step, most of a frozen step's time; PyMC's logp reads neither).
+      one avoids).  With neither ``filtered_cov`` nor ``predicted_cov`` read (PyMC's logp) it gets
+      ``covariances=False``: a steady stretch skips their per-step copies (2 m^2 per step, most of a frozen
+      step's time).
     * :class:`KalmanFilterGrad` whose cotangent of ``T`` (or ``Z``) is unused gets ``unused=("T", ...)``: its
       reverse steps skip ``T_bar += 2 G T P_f`` (a dense m^3 product per step, most of a structural model's
       reverse step) or the m^2 terms of ``Z_bar``; those outputs come out NaN.  A PyMC model whose ``T`` and
@@ -584,11 +581,11 @@ def kalman_unused_outputs(fgraph, node):
     core = node.op.core_op if blockwise else node.op
     if type(core) is KalmanFilter:
         forecast_cov = core.forecast_cov and bool(fgraph.clients[node.outputs[7]])
-        unused = tuple(x for x, i in zip(_UNUSED_COVS, (3, 5)) if not fgraph.clients[node.outputs[i]])
-        if forecast_cov == core.forecast_cov and set(unused) <= set(core.unused):
+        covariances = core.covariances and bool(fgraph.clients[node.outputs[3]] or fgraph.clients[node.outputs[5]])
+        if forecast_cov == core.forecast_cov and covariances == core.covariances:
             return None
         new = KalmanFilter(core.time_varying, core.cov_jitter, core.missing_value, core.univariate,
-                           forecast_cov=forecast_cov, unused=(*core.unused, *unused))
+                           forecast_cov=forecast_cov, covariances=covariances)
     elif type(core) is KalmanFilterGrad:
         unused = tuple(x for x in _SKIPPABLE if not fgraph.clients[node.outputs[INPUT_NAMES.index(x)]])
         if set(unused) <= set(core.unused):
