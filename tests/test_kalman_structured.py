@@ -26,7 +26,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from iterops._linalg_kernels import all_finite, matmul, nonzero_index, spmm, sym_finite, sym_into
+from iterops._linalg_kernels import (
+    all_finite, matmul, nonzero_index, spmm, spmm_rows, sym_finite, sym_into, transpose_finite,
+)
+from iterops.ts._kalman_steps import _triangle_test
 
 INPUTS = ("y", "a0", "P0", "c", "d", "T", "Z", "R", "H", "Q")
 
@@ -92,6 +95,62 @@ def test_finiteness_and_symmetrization_match_numpy(X):
     out2 = np.empty_like(S)
     assert sym_finite(S, out2) == np.isfinite(expected).all()
     np.testing.assert_array_equal(out2, expected)
+
+
+@given(hnp.arrays(np.float64, hnp.array_shapes(min_dims=2, max_dims=2, min_side=1, max_side=16), elements=_ENTRIES))
+def test_transpose_finite_matches_numpy(X):
+    """``transpose_finite`` copies X^T and says whether X is finite (NumPy's ``isfinite(X).all()``)."""
+    S = np.ascontiguousarray(X[: min(X.shape), : min(X.shape)])
+    out = np.empty_like(S)
+    assert transpose_finite(S, out) == np.isfinite(S).all()
+    np.testing.assert_array_equal(out, S.T)
+
+
+@pytest.mark.parametrize("density", [0.0, 0.2, 0.5, 1.0])
+@pytest.mark.parametrize("m", [1, 5, 13])
+def test_spmm_rows_upper_triangle(rng, density, m):
+    """``spmm_rows(..., upper=True)`` writes the upper triangle of the product (the dense one's to rounding)
+    and leaves the entries below the diagonal alone."""
+    X = sparse_matrix(rng, m, m, density)
+    Y = rng.normal(size=(m, m))
+    idx = np.empty((m, m + 1), dtype=np.int64)
+    nonzero_index(X, idx)
+    out = np.full((m, m), 7.0)
+    spmm_rows(X, idx, Y, out, -1.0, True)
+    upper = np.triu(np.ones((m, m), dtype=bool))
+    np.testing.assert_allclose(out[upper], (-X @ Y)[upper], rtol=1e-13, atol=1e-13)
+    assert (out[~upper] == 7.0).all()
+    full = np.empty((m, m))
+    spmm_rows(X, idx, Y, full)
+    np.testing.assert_allclose(full, X @ Y, rtol=1e-13, atol=1e-13)
+
+
+@given(
+    X=hnp.arrays(np.float64, (5, 5), elements=_ENTRIES),
+    scale=st.sampled_from([1.0, 1e-300, 1e300]),
+    change=st.sampled_from([0.0, 1e-15, 0.9e-14, 1.1e-14, 1e-13, 1.0, np.nan, np.inf]),
+    where=st.tuples(st.integers(0, 4), st.integers(0, 4)),
+    add=st.booleans(),
+    test=st.booleans(),
+)
+def test_triangle_test_matches_numpy(X, scale, change, where, add, test):
+    """The forward's steady-state test: ``(P' finite, max|P' - P_old| <= 1e-14 max|P'|)`` as NumPy computes it
+    for the symmetric P' (with ``add``: its upper triangle plus R Q R^T, mirrored) and P_old (the test is
+    False unless asked, or when P' is not finite: the next step fails whatever it says)."""
+    rng = np.random.default_rng(0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        P_new = np.triu(X * scale) + np.triu(X * scale, 1).T  # symmetric, entries of every kind
+        RQR = np.diag(rng.random(5)) if add else np.zeros((5, 5))
+        expected_P = np.triu(P_new + RQR) + np.triu(P_new + RQR, 1).T
+        P_old = expected_P.copy()
+        i, j = where
+        P_old[i, j] = P_old[j, i] = expected_P[i, j] + change * np.max(np.abs(expected_P))
+        finite = bool(np.isfinite(expected_P).all())
+        converged = test and finite and bool(np.max(np.abs(expected_P - P_old)) <= 1e-14 * np.max(np.abs(expected_P)))
+    # the lower triangle of the input is not read when adding
+    work = np.triu(P_new) + (np.tril(np.full((5, 5), 3.0), -1) if add else np.triu(P_new, 1).T)
+    assert _triangle_test(work, RQR, add, P_old, test) == (finite, converged)
+    np.testing.assert_array_equal(work, expected_P)
 
 
 @pytest.mark.parametrize("shape", [(3, 4, 5), (14, 1, 14), (14, 14, 1), (1, 14, 14), (40, 2, 40), (14, 14, 14)])

@@ -150,12 +150,15 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad, want):
     find_structure(system.T[0], system.Z[0], sx)
     restructure = system.T.shape[0] > 1 or system.Z.shape[0] > 1
     gain_only = p == 1 and not want.T and not want.Z  # a one-observable step recomputes its gain only
+    # Pbar exactly symmetric (a step's reverse leaves it so, but for the cotangent of predicted_cov it may add)
+    p_sym = not _has(cot.predicted_cov)
     t = n - 1
     while t >= 0:
         if cached and fully_observed(y, t, options) and _row_same(Pp, t, Pp[t + 1]):
             copy_into(Pp[t + 1], cache.P)
             _steady_cache(system.T[0], Zo, cache)  # the work arrays still hold cache.P's update
             t = _steady_adjoint_run(t, tape, system, options, cot, grad, state, cache, sx, want)
+            p_sym = False
             continue
         if vary:
             st, gst = system_at(system, t), system_at(grad.system, t)
@@ -178,7 +181,7 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad, want):
         update_mean(a, v, obs, k, K, af)
         # predict (a_f_bar starts from the cotangent of filtered_state[t], P_f_bar gets filtered_cov[t]'s)
         _row_or_zero(cot.filtered_state, t, af_bar)
-        predict_vjp(abar, Pbar, af, Pf, st, gst, sum_rq, Grq, G, W, Pf_bar, af_bar, sx, rw.S, want)
+        predict_vjp(abar, Pbar, p_sym, af, Pf, st, gst, sum_rq, Grq, G, W, Pf_bar, af_bar, sx, rw.S, want)
         if _has(cot.filtered_cov):
             Pf_bar += cot.filtered_cov[t]
         # loglik (ll_bar: loglik's and loglik_obs[t]'s), update (X_bar starts from forecast_error_cov[t]'s)
@@ -202,6 +205,7 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad, want):
             for i in range(m):
                 for j in range(m):
                     Pbar[i, j] += cot.predicted_cov[t, i, j]
+        p_sym = not _has(cot.predicted_cov)
         # the cache (P = Pp[t], copied when a steady stretch follows) only then: it costs two m^3 products
         cached = fast and k == p
         t -= 1

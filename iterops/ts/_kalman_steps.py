@@ -62,7 +62,7 @@ import numpy as np
 
 from iterops._linalg_kernels import (
     FLOAT_MAX, SMALL, all_finite, borrowed, carve, cho_solve_vec, cholesky, copy_into, flat, matmul, nonzero_index,
-    spmm, sym_finite, sym_inplace, sym_into, transpose_into,
+    spmm, spmm_rows, sym_finite, sym_inplace, sym_into, transpose_finite,
 )
 
 __all__ = [
@@ -782,21 +782,18 @@ def predict_cov(Pf, Tt, RQR, P_next, W, Wt, sx, pf_finite, P_old, test):
     """P' = T P_f T^T + R sym(Q) R^T for a symmetric ``P_f``; ``W``, ``Wt`` scratch.
     T's zeros skipped when ``sx.use[0]`` and P_f, T P_f are finite (:class:`Structure`;
     ``pf_finite``: 1 or 0 when the caller knows whether P_f is finite, -1 to check): then both products
-    are :func:`~iterops._linalg_kernels.spmm`'s sums of scaled rows (``W = T P_f``, then ``T W^T`` from W's
-    contiguous transpose), and ``R sym(Q) R^T`` is added on the upper triangle, mirrored.
+    are :func:`~iterops._linalg_kernels.spmm_rows`' sums of scaled rows (``W = T P_f``, then the upper triangle
+    of ``T W^T`` from W's contiguous transpose, whose copy tests W), and ``R sym(Q) R^T`` is added on the upper
+    triangle, mirrored.
     Returns ``(P' finite, converged)``: ``converged`` is the steady-state test
     ``max|P' - P_old| <= 1e-14 max|P'|`` against a symmetric ``P_old`` when ``test`` (else False)."""
     m = Pf.shape[0]
     fin = all_finite(Pf) if pf_finite < 0 else pf_finite == 1
-    if sx.use[0] and fin and np.isfinite(spmm(Tt, sx.T, Pf, W)):
-        transpose_into(W, Wt)
-        spmm(Tt, sx.T, Wt, P_next)  # T (T P_f)^T
-        for i in range(m):  # + R sym(Q) R^T on the upper triangle, mirrored
-            for jj in range(i, m):
-                x = P_next[i, jj] + RQR[i, jj]
-                P_next[i, jj] = x
-                P_next[jj, i] = x
-        return _triangle_test(P_next, P_old, test)
+    if sx.use[0] and fin:
+        spmm_rows(Tt, sx.T, Pf, W)
+        if transpose_finite(W, Wt):  # else a zero of T times an infinite entry of W: the dense product's NaN
+            spmm_rows(Tt, sx.T, Wt, P_next, 1.0, True)  # T (T P_f)^T, its upper triangle (mirrored below)
+            return _triangle_test(P_next, RQR, True, P_old, test)
     matmul(Tt, Pf, W)
     if m > SMALL:
         matmul(W, Tt.T, P_next)
@@ -805,7 +802,7 @@ def predict_cov(Pf, Tt, RQR, P_next, W, Wt, sx, pf_finite, P_old, test):
                 s = 0.5 * (P_next[i, jj] + P_next[jj, i]) + RQR[i, jj]
                 P_next[i, jj] = s
                 P_next[jj, i] = s
-        return _triangle_test(P_next, P_old, test)
+        return _triangle_test(P_next, RQR, False, P_old, test)
     for i in range(m):
         for jj in range(i, m):
             s = RQR[i, jj]
@@ -813,29 +810,43 @@ def predict_cov(Pf, Tt, RQR, P_next, W, Wt, sx, pf_finite, P_old, test):
                 s += W[i, l] * Tt[jj, l]
             P_next[i, jj] = s
             P_next[jj, i] = s
-    return _triangle_test(P_next, P_old, test)
+    return _triangle_test(P_next, RQR, False, P_old, test)
 
 
 @numba.njit(cache=True)
-def _triangle_test(P_new, P_old, test):
+def _triangle_test(P_new, RQR, add, P_old, test):
     """``(P_new finite, max|P_new - P_old| <= 1e-14 max|P_new|)`` for the symmetric P_new and P_old (the
-    steady-state test; False unless ``test``).  Comparisons and maxima by rows (short dependency chains)."""
+    steady-state test; False unless ``test``, or when P_new is not finite: the next step then fails whatever
+    the test says).  With ``add``, first ``P_new = upper(P_new) + RQR``, mirrored, in the same pass.
+
+    One pass for the finiteness and the scale (maxima by rows: short dependency chains), then the differences
+    until the first that fails (far from the steady state, the first entry)."""
     m = P_new.shape[0]
     finite = True
-    diff = 0.0
     scale = 0.0
     for i in range(m):
-        rdiff = 0.0
         rscale = 0.0
-        for j in range(m):  # whole rows (the same maxima, P_new and P_old being symmetric): they vectorise
-            x = P_new[i, j]
-            finite &= abs(x) <= FLOAT_MAX
-            if test:
-                rdiff = max(rdiff, abs(x - P_old[i, j]))
+        if add:
+            for j in range(i, m):
+                x = P_new[i, j] + RQR[i, j]
+                P_new[i, j] = x
+                P_new[j, i] = x
+                finite &= abs(x) <= FLOAT_MAX
                 rscale = max(rscale, abs(x))
-        diff = max(diff, rdiff)
+        else:
+            for j in range(i, m):
+                x = P_new[i, j]
+                finite &= abs(x) <= FLOAT_MAX
+                rscale = max(rscale, abs(x))
         scale = max(scale, rscale)
-    return finite, test and diff <= 1e-14 * scale
+    if not (test and finite):
+        return finite, False
+    tol = 1e-14 * scale
+    for i in range(m):
+        for j in range(i, m):
+            if not abs(P_new[i, j] - P_old[i, j]) <= tol:
+                return True, False
+    return True, True
 
 
 @numba.njit(cache=True, inline="always")
@@ -846,15 +857,16 @@ def predict_cov_vjp(G, Tt, Pf, gT, Pf_bar, beta, GT, sx, tmp, g_finite=-1, want_
     T's zeros skipped when ``sx.use[0]`` and G, G T are finite (:class:`Structure`; ``g_finite``: 1 or 0
     when the caller knows whether G is finite, -1 to check)."""
     fin = all_finite(G) if g_finite < 0 else g_finite == 1
-    if sx.use[0] and fin and np.isfinite(spmm(Tt.T, sx.Tt, G, GT)):  # GT <- T^T G = (G T)^T
-        if beta == 0.0:  # sums of scaled contiguous rows: P_f_bar = T^T (GT^T)
-            transpose_into(GT, tmp)
-            spmm(Tt.T, sx.Tt, tmp, Pf_bar)
-        else:
-            spmm(Tt.T, sx.Tt, GT.T, Pf_bar, 1.0, beta)
-        if want_T:
-            _add_product(GT.T, Pf, gT, 2.0, tmp)
-        return
+    if sx.use[0] and fin:
+        spmm_rows(Tt.T, sx.Tt, G, GT)  # GT <- T^T G = (G T)^T
+        if transpose_finite(GT, tmp):  # tmp = G T, contiguous: P_f_bar = T^T tmp by sums of scaled rows
+            if beta == 0.0:
+                spmm_rows(Tt.T, sx.Tt, tmp, Pf_bar)
+            else:
+                spmm(Tt.T, sx.Tt, tmp, Pf_bar, 1.0, beta)
+            if want_T:
+                _add_product(GT.T, Pf, gT, 2.0, tmp)
+            return
     matmul(G, Tt, GT)
     matmul(Tt.T, GT, Pf_bar, 1.0, beta)
     if want_T:
@@ -890,21 +902,20 @@ def rq_vjp(G, Rt, Qt, gR, gQ):
 
 
 @numba.njit(cache=True, inline="always")
-def predict_vjp(a_bar, P_bar, af, Pf, st, gst, sum_rq, Grq, G, W, Pf_bar, af_bar, sx, tmp, want):
+def predict_vjp(a_bar, P_bar, p_sym, af, Pf, st, gst, sum_rq, Grq, G, W, Pf_bar, af_bar, sx, tmp, want):
     """Reverse of :func:`predict_mean` and :func:`predict_cov` for the cotangents ``a_bar``,
     ``P_bar`` of ``a'``, ``P'``: ``Pf_bar = T^T G T`` with ``G = sym(P_bar)``, ``af_bar += T^T a_bar``;
     ``c_bar += a_bar``, ``T_bar += a_bar a_f^T + 2 G T P_f`` (when ``want.T``, :class:`Wanted`) and the R, Q
     cotangents, or ``Grq += G`` when ``sum_rq`` (static R, Q: :func:`rq_vjp` once, on the sum).
+    ``p_sym``: ``P_bar`` is exactly symmetric (then it is G, not copied).
     ``st``/``gst``: the step's matrices and their cotangents (:func:`system_at`), ``sx`` the
     step's :class:`Structure`; ``W``, ``tmp`` scratch."""
     m = af.shape[0]
-    fin = sym_finite(P_bar, G)
+    if p_sym:
+        G = P_bar
+    fin = _sym_sum(P_bar, G, not p_sym, Grq, sum_rq)
     predict_cov_vjp(G, st.T, Pf, gst.T, Pf_bar, 0.0, W, sx, tmp, 1 if fin else 0, want.T)
-    if sum_rq:
-        for i in range(m):
-            for l in range(m):
-                Grq[i, l] += G[i, l]
-    else:
+    if not sum_rq:
         rq_vjp(G, st.R, st.Q, gst.R, gst.Q)
     sparse = sx.use[0] and np.isfinite(np.sum(a_bar))  # T^T's zeros skipped (as in predict_mean)
     for i in range(m):  # c_bar += a'_bar; a_f_bar += T^T a'_bar; T_bar += a'_bar a_f^T
@@ -921,6 +932,37 @@ def predict_vjp(a_bar, P_bar, af, Pf, st, gst, sum_rq, Grq, G, W, Pf_bar, af_bar
         if want.T:
             for l in range(m):
                 gst.T[i, l] += a_bar[i] * af[l]
+
+
+@numba.njit(cache=True)
+def _sym_sum(X, G, sym, S, add):
+    """``G = sym(X)`` when ``sym`` (else G is X), ``S += G`` when ``add``, in one pass; returns True when G is
+    finite (``x * 0`` summed by rows, as :func:`~iterops._linalg_kernels.all_finite`)."""
+    m = X.shape[0]
+    total = 0.0
+    for i in range(m):
+        row = 0.0
+        if sym and add:
+            for j in range(m):
+                x = 0.5 * (X[i, j] + X[j, i])
+                G[i, j] = x
+                S[i, j] += x
+                row += x * 0.0
+        elif sym:
+            for j in range(m):
+                x = 0.5 * (X[i, j] + X[j, i])
+                G[i, j] = x
+                row += x * 0.0
+        elif add:
+            for j in range(m):
+                x = X[i, j]
+                S[i, j] += x
+                row += x * 0.0
+        else:
+            for j in range(m):
+                row += X[i, j] * 0.0
+        total += row
+    return total == 0.0
 
 
 @numba.njit(cache=True)
