@@ -155,6 +155,16 @@ def run_structural_nutpie(quick: bool = False) -> Section:
                                         fusion=impl == "iterops")
         res[impl] = (c_s, s_s, _us_per_step(idata, s_s, chains, tune, draws), ess, ess / s_s)
     ratio = res["iterops"][4] / res["scan"][4]
+    step_ratio = res["scan"][2] / res["iterops"][2]
+    section.notes += (
+        f"\n\nWhat bounds the ratio: the cost of a leapfrog step, {step_ratio:.3g}x in this run (the sampler's "
+        "logp + gradient is one function, so the fused filter runs once, then its adjoint: about 0.2 + 0.26 ms at "
+        "n = 240 after 2026-12-04's kernel changes, about 0.47 ms of the step), times the ratio of the two runs' "
+        f"bulk ESS ({res['iterops'][3] / res['scan'][3]:.3g} here; 1.05, 1.10 and 1.19 in runs of "
+        "2026-12-04 with the same seed: ESS moves from run to run). 8x at equal ESS needs a leapfrog "
+        f"step {8.0 / step_ratio:.2g}x cheaper than in this run: the filter and its adjoint nearer their loop floors "
+        "(`Kalman filter: cost model`)."
+    )
     for impl in ("iterops", "scan"):
         section.rows.append([impl, *res[impl], ratio if impl == "iterops" else 1.0])
     section.targets.append(Target("structural (nutpie): bulk ESS/s, iterops / scan", float(ratio), 8.0))
