@@ -37,7 +37,10 @@ One observable (p = 1, the structural and SARIMAX models):
   prediction after P0 is exactly symmetric);
 * :func:`update_vjp_one` is its reverse with the loops merged (four passes over m x m instead of ten);
 * whether P_t and P_f are finite (for the zero-skipping products) is carried from the pass that wrote
-  them; the steady-state test runs in the pass that writes P'.
+  them; the pass that writes P' (adding R Q R^T, mirroring) also tests it and takes its scale, and the
+  steady-state test after it stops at the first entry over the tolerance;
+* of the two products with T in a prediction (and in its reverse), only the first is tested for finiteness,
+  by the transposed copy that feeds the second (:func:`~iterops._linalg_kernels.transpose_finite`).
 
 Arrays are grouped by role in NamedTuples:
 
