@@ -250,13 +250,7 @@ def spmm(X, idx, Y, out, alpha=1.0, beta=0.0):
     if beta != 0.0:
         return _spmm_accumulate(X, idx, Y, out, alpha, beta)
     spmm_rows(X, idx, Y, out, alpha)
-    total = 0.0
-    for i in range(out.shape[0]):
-        row = 0.0
-        for j in range(out.shape[1]):
-            row += out[i, j] * 0.0  # 0 for a finite entry, NaN otherwise
-        total += row
-    return total
+    return 0.0 if all_finite(out) else np.inf
 
 
 @numba.njit(cache=True)
