@@ -29,7 +29,7 @@ from hypothesis.extra import numpy as hnp
 from iterops._linalg_kernels import (
     all_finite, matmul, nonzero_index, spmm, spmm_rows, sym_finite, sym_into, transpose_finite,
 )
-from iterops.ts._kalman_steps import _triangle_test
+from iterops.ts._kalman_steps import _sparse_congruence, _triangle_test
 
 INPUTS = ("y", "a0", "P0", "c", "d", "T", "Z", "R", "H", "Q")
 
@@ -151,6 +151,64 @@ def test_triangle_test_matches_numpy(X, scale, change, where, add, test):
     work = np.triu(P_new) + (np.tril(np.full((5, 5), 3.0), -1) if add else np.triu(P_new, 1).T)
     assert _triangle_test(work, RQR, add, P_old, test) == (finite, converged)
     np.testing.assert_array_equal(work, expected_P)
+
+
+@given(
+    rows=st.lists(st.sampled_from(["zero", "one", "shift", "scaled", "two", "dense"]), min_size=1, max_size=14),
+    scale=st.sampled_from([1.0, 1e-300, 1e150, 1e300]),
+    change=st.sampled_from([0.0, 0.9e-14, 1.1e-14, 1.0]),
+    test=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_sparse_congruence_matches_numpy(rows, scale, change, test, seed):
+    """The forward's second product with T: ``P' = T W^T + RQR`` (W = T P_f) on the upper triangle, mirrored,
+    over T's nonzeros, reading W's columns in place, for rows of T of every kind (zero, one nonzero of 1, a
+    shifted 1, one scaled entry, two, dense).  P' matches NumPy's product (bitwise where each entry has one
+    term, to rounding otherwise) and is bitwise what the product with W's transposed copy gave (``spmm_rows``
+    on the upper triangle, then ``_triangle_test``); the returned ``(finite, converged)`` are NumPy's tests of
+    that P' (overflow included: huge entries of P_f)."""
+    rng = np.random.default_rng(seed)
+    m = len(rows)
+    T = np.zeros((m, m))
+    for i, kind in enumerate(rows):
+        if kind == "one":
+            T[i, i] = 1.0
+        elif kind == "shift":
+            T[i, (i - 1) % m] = 1.0
+        elif kind == "scaled":
+            T[i, rng.integers(m)] = rng.normal() * 3.0
+        elif kind == "two":
+            T[i, rng.choice(m, min(2, m), replace=False)] = rng.normal(size=min(2, m))
+        elif kind == "dense":
+            T[i] = -1.0
+    A = rng.normal(size=(m, m))
+    Pf = (A @ A.T) * scale
+    idx = np.empty((m, m + 1), dtype=np.int64)
+    nonzero_index(T, idx)
+    W = np.empty((m, m))
+    spmm_rows(T, idx, Pf, W)
+    if not np.isfinite(W).all():  # the caller takes the dense product then
+        return
+    RQR = np.diag(rng.random(m))
+    with np.errstate(over="ignore", invalid="ignore"):
+        dense = T @ W.T + RQR
+        P_old = np.triu(dense) + np.triu(dense, 1).T
+        P_old[0, -1] = P_old[-1, 0] = P_old[0, -1] + change * np.max(np.abs(P_old))
+    P_new = np.full((m, m), 5.0)
+    finite, converged = _sparse_congruence(T, idx, W, RQR, P_new, P_old, test)
+    with np.errstate(over="ignore", invalid="ignore"):
+        assert finite == bool(np.isfinite(P_new).all())
+        expected = test and finite and bool(np.max(np.abs(P_new - P_old)) <= 1e-14 * np.max(np.abs(P_new)))
+        assert converged == expected
+        np.testing.assert_array_equal(P_new, P_new.T)
+        if finite:
+            upper = np.triu(np.ones((m, m), dtype=bool))
+            np.testing.assert_allclose(P_new[upper], dense[upper], rtol=1e-12, atol=1e-12 * np.max(np.abs(P_new)))
+    # bitwise the product with the transposed copy and the separate add-and-test pass
+    before = np.empty((m, m))
+    spmm_rows(T, idx, np.ascontiguousarray(W.T), before, 1.0, True)
+    assert _triangle_test(before, RQR, True, P_old, test) == (finite, converged)
+    np.testing.assert_array_equal(P_new, before)
 
 
 @pytest.mark.parametrize("shape", [(3, 4, 5), (14, 1, 14), (14, 14, 1), (1, 14, 14), (40, 2, 40), (14, 14, 14)])

@@ -95,9 +95,9 @@ def filter_into(y, a0, P0, system, options, out, univariate, need_F, need_P):
     copy_into(P0, Pp[0])
     ws, ws_own = update_work(m, p)
     obs, L, K, w = ws.obs, ws.L, ws.K, ws.w
-    buf = np.empty(3 * m * m + m * r)  # one allocation, carved
-    W, Wt, RQR = carve(buf, 0, (m, m)), carve(buf, m * m, (m, m)), carve(buf, 2 * m * m, (m, m))
-    RQ = carve(buf, 3 * m * m, (m, r))
+    buf = np.empty(2 * m * m + m * r)  # one allocation, carved
+    W, RQR = carve(buf, 0, (m, m)), carve(buf, m * m, (m, m))
+    RQ = carve(buf, 2 * m * m, (m, r))
     static = static_cov(system)
     sum_rq = static_rq(system)
     sx, sx_own = structure(m, p)  # nonzero indexes of T and Z: once, or every step when one varies
@@ -163,7 +163,7 @@ def filter_into(y, a0, P0, system, options, out, univariate, need_F, need_P):
         if not sum_rq:
             rqr(st.R, st.Q, RQ, RQR)
         test = static and k == p
-        fin, steady = predict_cov(Pf, st.T, RQR, Pp[t + 1], W, Wt, sx, pf, Pp[t], test and t > 0)
+        fin, steady = predict_cov(Pf, st.T, RQR, Pp[t + 1], W, sx, pf, Pp[t], test and t > 0)
         if test and t == 0:  # P0 need not be symmetric: the test on whole matrices
             steady = _converged(Pp[1], Pp[0])
         p_fin = 1 if fin else 0

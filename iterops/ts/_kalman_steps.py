@@ -39,8 +39,10 @@ One observable (p = 1, the structural and SARIMAX models):
 * whether P_t and P_f are finite (for the zero-skipping products) is carried from the pass that wrote
   them; the pass that writes P' (adding R Q R^T, mirroring) also tests it and takes its scale, and the
   steady-state test after it stops at the first entry over the tolerance;
-* of the two products with T in a prediction (and in its reverse), only the first is tested for finiteness,
-  by the transposed copy that feeds the second (:func:`~iterops._linalg_kernels.transpose_finite`).
+* of the two products with T in a prediction (and in its reverse), only the first is tested for finiteness;
+  the forward's second product reads the first's columns in place (:func:`_sparse_congruence`, fused with
+  the pass that adds R Q R^T), the reverse's a transposed copy that tests it
+  (:func:`~iterops._linalg_kernels.transpose_finite`).
 
 Arrays are grouped by role in NamedTuples:
 
@@ -781,22 +783,21 @@ def rqr(Rt, Qt, RQ, out):
 
 
 @numba.njit(cache=True, inline="always")
-def predict_cov(Pf, Tt, RQR, P_next, W, Wt, sx, pf_finite, P_old, test):
-    """P' = T P_f T^T + R sym(Q) R^T for a symmetric ``P_f``; ``W``, ``Wt`` scratch.
+def predict_cov(Pf, Tt, RQR, P_next, W, sx, pf_finite, P_old, test):
+    """P' = T P_f T^T + R sym(Q) R^T for a symmetric ``P_f``; ``W`` scratch.
     T's zeros skipped when ``sx.use[0]`` and P_f, T P_f are finite (:class:`Structure`;
-    ``pf_finite``: 1 or 0 when the caller knows whether P_f is finite, -1 to check): then both products
-    are :func:`~iterops._linalg_kernels.spmm_rows`' sums of scaled rows (``W = T P_f``, then the upper triangle
-    of ``T W^T`` from W's contiguous transpose, whose copy tests W), and ``R sym(Q) R^T`` is added on the upper
-    triangle, mirrored.
+    ``pf_finite``: 1 or 0 when the caller knows whether P_f is finite, -1 to check): then ``W = T P_f`` is
+    :func:`~iterops._linalg_kernels.spmm_rows`' sums of scaled rows, and the upper triangle of ``T W^T`` plus
+    ``R sym(Q) R^T``, mirrored, is :func:`_sparse_congruence`'s one pass (bitwise the terms, in the order, of
+    the product with W's transposed copy it replaces).
     Returns ``(P' finite, converged)``: ``converged`` is the steady-state test
     ``max|P' - P_old| <= 1e-14 max|P'|`` against a symmetric ``P_old`` when ``test`` (else False)."""
     m = Pf.shape[0]
     fin = all_finite(Pf) if pf_finite < 0 else pf_finite == 1
     if sx.use[0] and fin:
         spmm_rows(Tt, sx.T, Pf, W)
-        if transpose_finite(W, Wt):  # else a zero of T times an infinite entry of W: the dense product's NaN
-            spmm_rows(Tt, sx.T, Wt, P_next, 1.0, True)  # T (T P_f)^T, its upper triangle (mirrored below)
-            return _triangle_test(P_next, RQR, True, P_old, test)
+        if all_finite(W):  # else a zero of T times an infinite entry of W: the dense product's NaN
+            return _sparse_congruence(Tt, sx.T, W, RQR, P_next, P_old, test)
     matmul(Tt, Pf, W)
     if m > SMALL:
         matmul(W, Tt.T, P_next)
@@ -814,6 +815,47 @@ def predict_cov(Pf, Tt, RQR, P_next, W, Wt, sx, pf_finite, P_old, test):
             P_next[i, jj] = s
             P_next[jj, i] = s
     return _triangle_test(P_next, RQR, False, P_old, test)
+
+
+@numba.njit(cache=True)
+def _sparse_congruence(Tt, idx, W, RQR, P_new, P_old, test):
+    """``P_new = T W^T + RQR`` on the upper triangle, mirrored, for ``W = T P_f`` (finite), over T's nonzeros
+    (``idx``); then :func:`_triangle_test`'s finiteness, scale and steady-state test, in the same pass.
+
+    Each entry sums the terms of :func:`~iterops._linalg_kernels.spmm_rows` in its order (so the result is
+    bitwise that of the product of T with W's transpose), reading W's columns in place: a row of T with one
+    nonzero (shift and identity rows) makes a row of P' a scaled column of W, no transposed copy."""
+    m = W.shape[0]
+    finite = True
+    scale = 0.0
+    for j in range(m):
+        c = idx[j, 0]
+        rscale = 0.0
+        if c == 1:
+            b = idx[j, 1]
+            t = Tt[j, b]
+            for i in range(j, m):
+                x = t * W[i, b] + RQR[j, i]
+                P_new[j, i] = x
+                P_new[i, j] = x
+                finite &= abs(x) <= FLOAT_MAX
+                rscale = max(rscale, abs(x))
+        else:
+            for i in range(j, m):
+                s = 0.0
+                if c > 0:
+                    b = idx[j, 1]
+                    s = Tt[j, b] * W[i, b]
+                    for q in range(2, c + 1):
+                        b = idx[j, q]
+                        s += Tt[j, b] * W[i, b]
+                x = s + RQR[j, i]
+                P_new[j, i] = x
+                P_new[i, j] = x
+                finite &= abs(x) <= FLOAT_MAX
+                rscale = max(rscale, abs(x))
+        scale = max(scale, rscale)
+    return finite, test and finite and _steady(P_new, P_old, scale)
 
 
 @numba.njit(cache=True)
@@ -842,14 +884,20 @@ def _triangle_test(P_new, RQR, add, P_old, test):
                 finite &= abs(x) <= FLOAT_MAX
                 rscale = max(rscale, abs(x))
         scale = max(scale, rscale)
-    if not (test and finite):
-        return finite, False
+    return finite, test and finite and _steady(P_new, P_old, scale)
+
+
+@numba.njit(cache=True, inline="always")
+def _steady(P_new, P_old, scale):
+    """``max|P_new - P_old| <= 1e-14 scale`` over the upper triangles, stopping at the first entry over it (far
+    from the steady state, the first entry)."""
+    m = P_new.shape[0]
     tol = 1e-14 * scale
     for i in range(m):
         for j in range(i, m):
             if not abs(P_new[i, j] - P_old[i, j]) <= tol:
-                return True, False
-    return True, True
+                return False
+    return True
 
 
 @numba.njit(cache=True, inline="always")
