@@ -806,7 +806,7 @@ def predict_cov(Pf, Tt, RQR, P_next, W, sx, pf_finite, P_old, test):
                 s = 0.5 * (P_next[i, jj] + P_next[jj, i]) + RQR[i, jj]
                 P_next[i, jj] = s
                 P_next[jj, i] = s
-        return _triangle_test(P_next, RQR, False, P_old, test)
+        return _triangle_test(P_next, P_old, test)
     for i in range(m):
         for jj in range(i, m):
             s = RQR[i, jj]
@@ -814,7 +814,7 @@ def predict_cov(Pf, Tt, RQR, P_next, W, sx, pf_finite, P_old, test):
                 s += W[i, l] * Tt[jj, l]
             P_next[i, jj] = s
             P_next[jj, i] = s
-    return _triangle_test(P_next, RQR, False, P_old, test)
+    return _triangle_test(P_next, P_old, test)
 
 
 @numba.njit(cache=True)
@@ -859,30 +859,22 @@ def _sparse_congruence(Tt, idx, W, RQR, P_new, P_old, test):
 
 
 @numba.njit(cache=True)
-def _triangle_test(P_new, RQR, add, P_old, test):
+def _triangle_test(P_new, P_old, test):
     """``(P_new finite, max|P_new - P_old| <= 1e-14 max|P_new|)`` for the symmetric P_new and P_old (the
     steady-state test; False unless ``test``, or when P_new is not finite: the next step then fails whatever
-    the test says).  With ``add``, first ``P_new = upper(P_new) + RQR``, mirrored, in the same pass.
+    the test says).
 
-    One pass for the finiteness and the scale (maxima by rows: short dependency chains), then the differences
-    until the first that fails (far from the steady state, the first entry)."""
+    One pass over the upper triangle for the finiteness and the scale (maxima by rows: short dependency
+    chains), then the differences until the first that fails (far from the steady state, the first entry)."""
     m = P_new.shape[0]
     finite = True
     scale = 0.0
     for i in range(m):
         rscale = 0.0
-        if add:
-            for j in range(i, m):
-                x = P_new[i, j] + RQR[i, j]
-                P_new[i, j] = x
-                P_new[j, i] = x
-                finite &= abs(x) <= FLOAT_MAX
-                rscale = max(rscale, abs(x))
-        else:
-            for j in range(i, m):
-                x = P_new[i, j]
-                finite &= abs(x) <= FLOAT_MAX
-                rscale = max(rscale, abs(x))
+        for j in range(i, m):
+            x = P_new[i, j]
+            finite &= abs(x) <= FLOAT_MAX
+            rscale = max(rscale, abs(x))
         scale = max(scale, rscale)
     return finite, test and finite and _steady(P_new, P_old, scale)
 
