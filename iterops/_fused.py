@@ -53,7 +53,7 @@ from llvmlite import ir
 from numba.core.caching import CacheImpl, _CacheLocator
 from numba.core.imputils import impl_ret_borrowed
 from numba.core.typing.ctypes_utils import to_ctypes
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.link.numba.dispatch.basic import register_funcify_default_op_cache_key
@@ -64,7 +64,8 @@ from iterops import _background
 from iterops._validate import float_dtype
 
 __all__ = [
-    "FusedOp", "apply_batched", "register_fused_op", "entry_point", "data_ptr", "keep_alive", "F64P", "OpaqueKernel",
+    "FusedOp", "apply_batched", "register_fused_op", "entry_point", "data_ptr", "keep_alive", "as_dtype", "F64P",
+    "OpaqueKernel",
     "opaque_kernel", "LazyKernel", "PACKAGE_DIGEST", "KERNEL_SOURCES", "PackageCacheLocator", "OPAQUE_KERNELS",
 ]
 
@@ -384,6 +385,20 @@ def keep_alive(typingctx, arrays):
         return context.get_dummy_value()
 
     return numba.types.none(arrays), codegen
+
+
+def as_dtype(x, dtype):
+    """``np.ascontiguousarray(x).astype(dtype)`` for an entry point's inputs, without the copy when ``x`` already
+    has that dtype (then a C-contiguous ``x`` is returned itself: only for arrays the kernel reads, never writes).
+    ``dtype``: a NumPy scalar type (``np.float64``).  In Numba the choice is made when the call is typed."""
+    return np.ascontiguousarray(x).astype(dtype)
+
+
+@overload(as_dtype)
+def _as_dtype(x, dtype):
+    if isinstance(dtype, numba.types.NumberClass) and x.dtype == dtype.instance_type:
+        return lambda x, dtype: np.ascontiguousarray(x)
+    return lambda x, dtype: np.ascontiguousarray(x).astype(dtype)
 
 
 @intrinsic

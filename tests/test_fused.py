@@ -200,3 +200,37 @@ def test_kernels_cache_in_one_place_without_numba_cache_dir(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("2.0")
     assert list((tmp_path / "numba").rglob("*.nbi")), "no Numba cache index written under ITEROPS_CACHE_DIR"
+
+
+# ---------------------------------------------------------------------------
+# as_dtype: an entry point's inputs in the working dtype, copied only when they must be
+# ---------------------------------------------------------------------------
+
+
+def test_as_dtype_copies_only_to_convert_or_make_contiguous():
+    """Under Numba ``as_dtype(x, np.float64)`` is ``x`` itself for a C-contiguous float64 ``x`` (no copy), and
+    NumPy's ``ascontiguousarray(x).astype`` otherwise: a converted copy of a float32 ``x``, a contiguous copy of
+    a strided one, the same values either way."""
+    import numba
+
+    from iterops._fused import as_dtype
+
+    @numba.njit
+    def f64(x):
+        return as_dtype(x, np.float64)
+
+    @numba.njit
+    def f32(x):
+        return as_dtype(x, np.float32)
+
+    x = np.arange(12.0)
+    same = f64(x)
+    assert np.shares_memory(same, x) and same.dtype == np.float64
+    strided = f64(x[::2])
+    assert not np.shares_memory(strided, x) and strided.flags.c_contiguous
+    np.testing.assert_array_equal(strided, x[::2])
+    for y, fn, dtype in [(x.astype(np.float32), f64, np.float64), (x, f32, np.float32)]:
+        out = fn(y)
+        assert out.dtype == dtype and not np.shares_memory(out, y)
+        np.testing.assert_array_equal(out, y.astype(dtype))
+    np.testing.assert_array_equal(as_dtype(x[::2], np.float32), x[::2].astype(np.float32))  # the Python version

@@ -68,7 +68,7 @@ from pytensor.tensor.variable import TensorVariable
 
 from iterops._second_order import reverse_twice
 from iterops.reference_loops import levinson_loop, levinson_spelled_step
-from iterops._fused import FirstInputShaped, FusedOp, apply_batched, entry_point, register_fused_op
+from iterops._fused import FirstInputShaped, FusedOp, apply_batched, as_dtype, entry_point, register_fused_op
 from iterops._validate import as_tensor, check_at_least, check_shape, float_dtype
 from iterops.ts.ar import _static_int
 
@@ -104,14 +104,6 @@ class LevinsonRecursionResult(NamedTuple):
 
 # Python's error model would raise ZeroDivisionError on v == 0; the loop gives inf/NaN.
 _njit = numba.njit(cache=True, error_model="numpy")
-
-
-class _Tape(NamedTuple):
-    """What the reverse pass needs, per step ``k`` (row ``k`` / entry ``k``: entering step ``k``)."""
-
-    phi: np.ndarray  # (p, p)
-    v: np.ndarray  # (p,)
-    kappa: np.ndarray  # (p,) the step's kappa (the Op's third output)
 
 
 @_njit
@@ -197,18 +189,18 @@ def _step_vjp(gamma, k, phi, v, kappa, phi_bar, v_bar, kappa_bar, gamma_bar):
 
 
 @_njit
-def _forward(gamma, order, v_form):
-    """The loop over ``k = 0..order-1``; returns ``(phi, v, tape)`` (``gamma`` long enough)."""
-    p = order
-    tape = _Tape(np.zeros((p, p), dtype=gamma.dtype), np.zeros(p, dtype=gamma.dtype), np.zeros(p, dtype=gamma.dtype))
-    phi = np.zeros(p, dtype=gamma.dtype)
+def _run(gamma, order, v_form, phi, kappa, keep, tape_phi, tape_v):
+    """The loop over ``k = 0..order-1`` (``gamma`` long enough) into ``phi`` (zeroed here) and ``kappa`` (order,);
+    with ``keep``, the ``phi`` and ``v`` entering each step into ``tape_phi`` (order, order) and ``tape_v`` (order,)
+    (what the reverse pass reads).  Returns the last ``v``."""
+    phi[:] = 0
     v = gamma[0]
-    for k in range(p):
-        tape.phi[k, :] = phi
-        tape.v[k] = v
-        kappa, v = _step(gamma, k, phi, v, v_form)
-        tape.kappa[k] = kappa
-    return phi, v, tape
+    for k in range(order):
+        if keep:
+            tape_phi[k, :] = phi
+            tape_v[k] = v
+        kappa[k], v = _step(gamma, k, phi, v, v_form)
+    return v
 
 
 @_njit
@@ -221,27 +213,29 @@ def levinson_recursion_kernel(gamma, order, v_form=0):
     if gamma.shape[0] < p + 1:
         nan = gamma.dtype.type(np.nan)
         return np.full(p, nan, dtype=gamma.dtype), nan, np.full(p, nan, dtype=gamma.dtype)
-    phi, v, tape = _forward(gamma, p, v_form)
-    return phi, v, tape.kappa
+    phi, kappa = np.empty(p, dtype=gamma.dtype), np.empty(p, dtype=gamma.dtype)
+    v = _run(gamma, p, v_form, phi, kappa, False, kappa.reshape((1, p)), kappa)  # no tape (the last two unused)
+    return phi, v, kappa
 
 
 @_njit
 def levinson_recursion_vjp_kernel(gamma, order, phi_bar, v_bar, kappa_bar, v_form=0):
     """Cotangent of ``gamma`` (n,) given cotangents of ``phi`` (order,), ``v`` and ``kappa`` (order,).
 
-    All in ``gamma``'s dtype; all NaN if ``n < order + 1``.
+    All in ``gamma``'s dtype; all NaN if ``n < order + 1``.  The inputs are only read.
     """
-    n = gamma.shape[0]
+    n, p = gamma.shape[0], order
     gamma_bar = np.zeros(n, dtype=gamma.dtype)
-    if n < order + 1:
+    if n < p + 1:
         gamma_bar[:] = np.nan
         return gamma_bar
-    _, _, tape = _forward(gamma, order, v_form)
-    phi_bar = phi_bar.copy()
-    for k in range(order - 1, -1, -1):
-        v_bar = _step_vjp(
-            gamma, k, tape.phi[k], tape.v[k], tape.kappa[k], phi_bar, v_bar, kappa_bar[k], gamma_bar
-        )
+    work = np.empty(p * p + 4 * p, dtype=gamma.dtype)  # the tape and the work vectors: one allocation
+    tape_phi, tape_v = work[: p * p].reshape((p, p)), work[p * p: p * p + p]
+    kappa, phi, phi_b = work[p * p + p: p * p + 2 * p], work[p * p + 2 * p: p * p + 3 * p], work[p * p + 3 * p:]
+    _run(gamma, p, v_form, phi, kappa, True, tape_phi, tape_v)
+    phi_b[:] = phi_bar
+    for k in range(p - 1, -1, -1):
+        v_bar = _step_vjp(gamma, k, tape_phi[k], tape_v[k], kappa[k], phi_b, v_bar, kappa_bar[k], gamma_bar)
     gamma_bar[0] += v_bar  # v_0 = gamma[0]
     return gamma_bar
 
@@ -258,7 +252,7 @@ def _recursion_entry(order: int, v_form: int, dtype: str):
     @numba.njit(error_model="numpy")
     def run(gamma):
         check_at_least("levinson_recursion", "gamma", gamma, "(n,), n >= order + 1", order + 1)
-        phi, v, kappa = levinson_recursion_kernel(np.ascontiguousarray(gamma).astype(work), order, v_form)
+        phi, v, kappa = levinson_recursion_kernel(as_dtype(gamma, work), order, v_form)
         return phi, np.asarray(v), kappa
 
     return run
@@ -308,11 +302,11 @@ def _vjp_entry(order: int, v_form: int, dtype: str):
         check_shape("levinson_recursion gradient", "phi_bar", phi_bar, "(order,)", (order,))
         check_shape("levinson_recursion gradient", "kappa_bar", kappa_bar, "(order,)", (order,))
         return levinson_recursion_vjp_kernel(
-            np.ascontiguousarray(gamma).astype(work),
+            as_dtype(gamma, work),
             order,
-            np.ascontiguousarray(phi_bar).astype(work),
+            as_dtype(phi_bar, work),
             work(v_bar.item()),
-            np.ascontiguousarray(kappa_bar).astype(work),
+            as_dtype(kappa_bar, work),
             v_form,
         )
 
