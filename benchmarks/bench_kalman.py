@@ -659,7 +659,7 @@ _COST_NOTES = "\n".join([
     "steps` - 1; adjoint = f+g - fwd; n/a below 10 full steps.",
     "- Last row: one call of a local level at n=10 (the fixed cost of a call).",
     "",
-    "What bounds the structural forward at about 3.5x its loop floor (the table: 2026-12-04 at load ~1 on the 2 "
+    "What bounds the structural forward at about 3.4x its loop floor (the table: 2026-12-05 at load ~1 on the 2 "
     "cores):",
     "- 2026-12-03: a one-observable step is a rank-one update on P_t (no Cholesky, symmetrization or copy); "
     "the adjoint reverses it in four merged passes. Forward 3.06 -> 1.28 us per full step, f+g 7.9 -> 3.99.",
@@ -677,11 +677,15 @@ _COST_NOTES = "\n".join([
     "G into the R, Q cotangent while it tests it, and skips sym(P_bar) where it is exactly symmetric. Same "
     "results bitwise; on pymc-extras' structural inputs (n = 240) forward 0.95 -> 0.85 us per step, adjoint "
     "1.30 -> 1.09.",
+    "- 2026-12-05: the forward's second product reads W = T P_f's columns in place, in the pass that adds "
+    "R Q R^T, mirrors and tests (no transposed copy of W; a row of T with one nonzero makes a row of P' a "
+    "scaled column of W). Same results bitwise; forward 0.85 -> 0.79 us per step on pymc-extras' inputs.",
     "- Remaining: loops over rows of 13 entries vectorise only in part (4 or 8 wide, then a scalar "
     "remainder); loops over lists of nonzeros load an index per row axpy; both triangles of P_f and P' are "
-    "stored (they are outputs). Ablation of the forward (each stage run twice per step, 2026-12-04): the "
-    "prediction of P (two products, the transposed copy, the add-and-test pass) is about 60% of a step, the "
-    "rank-one update 12%, the mean recursion and likelihood under 10%.",
+    "stored (they are outputs). Ablation of the forward (each stage run twice per step, 2026-12-04, before "
+    "the 2026-12-05 change): the prediction of P (two products, the transposed copy, the add-and-test pass) was "
+    "about 60% of a step, the rank-one update 12%, the mean recursion and likelihood under 10%. A pass over "
+    "13 x 13 costs 60-110 ns whatever its arithmetic; the forward now makes about six per step.",
     "- The adjoint's floor is dominated by T's dense cotangent (2 G T P_f: 2197 of 4086 multiply-adds, about 0.25 "
     "us by BLAS).",
 ])
