@@ -686,6 +686,12 @@ _COST_NOTES = "\n".join([
     "the 2026-12-05 change): the prediction of P (two products, the transposed copy, the add-and-test pass) was "
     "about 60% of a step, the rank-one update 12%, the mean recursion and likelihood under 10%. A pass over "
     "13 x 13 costs 60-110 ns whatever its arithmetic; the forward now makes about six per step.",
+    "- Measured 2026-12-05, not built: the prediction of P as straight-line code generated for the structural "
+    "T's nonzero pattern (T's values still read at run time; the same terms in the same order, so bitwise the "
+    "same P') takes 165 ns against 455 ns for the loops over index lists (`spmm_rows` + `_sparse_congruence`), "
+    "which would bring the forward to about 0.5 us per full step. But that one function took 10 s to compile "
+    "(37 s with W as an array), once per nonzero pattern, and pymc-extras builds T at run time, so the pattern "
+    "is known only at the first call: a cold-compile cost the compile targets rule out as it stands.",
     "- The adjoint's floor is dominated by T's dense cotangent (2 G T P_f: 2197 of 4086 multiply-adds, about 0.25 "
     "us by BLAS).",
 ])
