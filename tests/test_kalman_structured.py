@@ -158,10 +158,10 @@ def test_triangle_test_matches_numpy(X, scale, change, where, test):
 def test_sparse_congruence_matches_numpy(rows, scale, change, test, seed):
     """The forward's second product with T: ``P' = T W^T + RQR`` (W = T P_f) on the upper triangle, mirrored,
     over T's nonzeros, reading W's columns in place, for rows of T of every kind (zero, one nonzero of 1, a
-    shifted 1, one scaled entry, two, dense).  P' matches NumPy's product (bitwise where each entry has one
-    term, to rounding otherwise) and is bitwise what the product with W's transposed copy gave (``spmm_rows``
-    on the upper triangle, plus RQR, mirrored); the returned ``(finite, converged)`` are NumPy's tests of that
-    P' (overflow included: huge entries of P_f)."""
+    shifted 1, one scaled entry, two, dense).  P' matches NumPy's product to rounding, is exactly symmetric and
+    is bitwise what the product with W's transposed copy gave (``spmm_rows`` on the upper triangle, plus RQR,
+    mirrored); the returned ``(finite, converged)`` are NumPy's tests of that P' (P_f's entries up to 1e300;
+    a W that is not finite is the caller's dense case, not this function's)."""
     rng = np.random.default_rng(seed)
     m = len(rows)
     T = np.zeros((m, m))
