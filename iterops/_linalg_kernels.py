@@ -254,30 +254,27 @@ def spmm(X, idx, Y, out, alpha=1.0, beta=0.0):
 
 
 @numba.njit(cache=True)
-def spmm_rows(X, idx, Y, out, alpha=1.0, upper=False):
-    """out = alpha X Y over the nonzero entries of X (as :func:`spmm` with ``beta = 0``), without its test;
-    with ``upper``, only the entries on and above the diagonal (``out[i, i:]``: half the work for a product
-    known to be symmetric, whose caller mirrors it).
+def spmm_rows(X, idx, Y, out, alpha=1.0):
+    """out = alpha X Y over the nonzero entries of X (as :func:`spmm` with ``beta = 0``), without its test.
 
     Each row of ``out`` is built as a sum of scaled rows of Y (``out[i] += alpha X[i, l] Y[l]``, the same terms
     in the same order per entry; ``alpha`` scales X's entry, exact for ``alpha = +-1``): no reduction in the
     inner loop, which runs along a row of Y (contiguous for a C-ordered Y) and vectorises."""
     n = Y.shape[1]
     for i in range(X.shape[0]):
-        j0 = i if upper else 0
         c = idx[i, 0]
         if c == 0:
-            for j in range(j0, n):
+            for j in range(n):
                 out[i, j] = 0.0
             continue
         l = idx[i, 1]
         x = alpha * X[i, l]
-        for j in range(j0, n):  # the first term assigns: no zeroing pass
+        for j in range(n):  # the first term assigns: no zeroing pass
             out[i, j] = x * Y[l, j]
         for q in range(2, c + 1):
             l = idx[i, q]
             x = alpha * X[i, l]
-            for j in range(j0, n):
+            for j in range(n):
                 out[i, j] += x * Y[l, j]
 
 

@@ -108,18 +108,16 @@ def test_transpose_finite_matches_numpy(X):
 
 @pytest.mark.parametrize("density", [0.0, 0.2, 0.5, 1.0])
 @pytest.mark.parametrize("m", [1, 5, 13])
-def test_spmm_rows_upper_triangle(rng, density, m):
-    """``spmm_rows(..., upper=True)`` writes the upper triangle of the product (the dense one's to rounding)
-    and leaves the entries below the diagonal alone."""
+def test_spmm_rows_matches_numpy(rng, density, m):
+    """``spmm_rows`` (the product over X's nonzeros, no finiteness test) is the dense product to rounding,
+    with ``alpha`` scaling it."""
     X = sparse_matrix(rng, m, m, density)
     Y = rng.normal(size=(m, m))
     idx = np.empty((m, m + 1), dtype=np.int64)
     nonzero_index(X, idx)
     out = np.full((m, m), 7.0)
-    spmm_rows(X, idx, Y, out, -1.0, True)
-    upper = np.triu(np.ones((m, m), dtype=bool))
-    np.testing.assert_allclose(out[upper], (-X @ Y)[upper], rtol=1e-13, atol=1e-13)
-    assert (out[~upper] == 7.0).all()
+    spmm_rows(X, idx, Y, out, -1.0)
+    np.testing.assert_allclose(out, -X @ Y, rtol=1e-13, atol=1e-13)
     full = np.empty((m, m))
     spmm_rows(X, idx, Y, full)
     np.testing.assert_allclose(full, X @ Y, rtol=1e-13, atol=1e-13)
@@ -159,7 +157,7 @@ def test_sparse_congruence_matches_numpy(rows, scale, change, test, seed):
     """The forward's second product with T: ``P' = T W^T + RQR`` (W = T P_f) on the upper triangle, mirrored,
     over T's nonzeros, reading W's columns in place, for rows of T of every kind (zero, one nonzero of 1, a
     shifted 1, one scaled entry, two, dense).  P' matches NumPy's product to rounding, is exactly symmetric and
-    is bitwise what the product with W's transposed copy gave (``spmm_rows`` on the upper triangle, plus RQR,
+    is bitwise what the product with W's transposed copy gave (``spmm_rows``' upper triangle, plus RQR,
     mirrored); the returned ``(finite, converged)`` are NumPy's tests of that P' (P_f's entries up to 1e300;
     a W that is not finite is the caller's dense case, not this function's)."""
     rng = np.random.default_rng(seed)
@@ -201,7 +199,7 @@ def test_sparse_congruence_matches_numpy(rows, scale, change, test, seed):
             np.testing.assert_allclose(P_new[upper], dense[upper], rtol=1e-12, atol=1e-12 * np.max(np.abs(P_new)))
     # bitwise the product with W's transposed copy (its upper triangle) plus RQR, mirrored
     before = np.empty((m, m))
-    spmm_rows(T, idx, np.ascontiguousarray(W.T), before, 1.0, True)
+    spmm_rows(T, idx, np.ascontiguousarray(W.T), before)
     with np.errstate(over="ignore", invalid="ignore"):
         before = np.triu(before) + RQR
     np.testing.assert_array_equal(P_new, np.triu(before) + np.triu(before, 1).T)
