@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba.extending import overload
 
 from iterops._fused import data_ptr
 
@@ -40,16 +41,43 @@ SMALL = 10  #: matrix products of more than SMALL**3 multiply-adds go to BLAS
 FLOAT_MAX = float(np.finfo(np.float64).max)  #: |x| <= FLOAT_MAX: x is finite (one comparison, which vectorises)
 
 
+def _dot_into(X, Y, out):
+    """``out = X @ Y`` by BLAS with no copy, when that is safe: returns False (nothing written) unless X and Y
+    are typed C- or F-contiguous (a plain array or its transpose), ``out`` C-contiguous, all float64, and
+    ``out`` shares no memory with X or Y (gemm's output must not alias its operands).  Numba only."""
+    raise NotImplementedError("_dot_into is only called from Numba kernels")
+
+
+@overload(_dot_into)
+def _dot_into_overload(X, Y, out):
+    f64 = numba.types.float64
+    if not (X.layout in "CF" and Y.layout in "CF" and out.layout == "C" and X.dtype == Y.dtype == out.dtype == f64):
+        return lambda X, Y, out: False  # 'A' views (slices): np.dot would warn, and copy anyway
+
+    def impl(X, Y, out):
+        o, x, y = out.ctypes.data, X.ctypes.data, Y.ctypes.data
+        if (x < o + out.nbytes and o < x + X.nbytes) or (y < o + out.nbytes and o < y + Y.nbytes):
+            return False
+        np.dot(X, Y, out)
+        return True
+
+    return impl
+
+
 @numba.njit(cache=True)
 def matmul(X, Y, out, alpha=1.0, beta=0.0):
     """out = alpha X @ Y + beta out (loops up to :data:`SMALL` ``**3`` multiply-adds, BLAS above).
 
     ``X``/``Y`` may be transposed or sliced views; with ``beta = 0`` what ``out`` held is ignored.
     (A thin product such as the rank-one ``(m, 1) @ (1, m)`` of a univariate filter's adjoint takes
-    the loops: BLAS would cost two contiguous copies and an allocation for ``m^2`` multiply-adds.)"""
+    the loops: BLAS would cost two contiguous copies and an allocation for ``m^2`` multiply-adds.)
+    BLAS writes ``out`` directly (no operand copies, no product allocated) when ``alpha = 1``, ``beta = 0``
+    and the operands are whole matrices or their transposes (:func:`_dot_into`)."""
     n_, k_ = X.shape
     m_ = Y.shape[1]
     if n_ * m_ * k_ > SMALL * SMALL * SMALL:
+        if alpha == 1.0 and beta == 0.0 and _dot_into(X, Y, out):
+            return
         prod = np.dot(np.ascontiguousarray(X), np.ascontiguousarray(Y))
         for i in range(n_):
             for j in range(m_):

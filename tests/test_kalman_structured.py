@@ -220,6 +220,28 @@ def test_matmul_matches_numpy(rng, shape):
     np.testing.assert_allclose(out, X @ Y, rtol=1e-13, atol=1e-13)
 
 
+@pytest.mark.parametrize("m", [11, 14])
+def test_matmul_blas_writes_out_directly_unless_it_aliases_an_operand(rng, m):
+    """Above SMALL**3 multiply-adds, alpha = 1 and beta = 0, BLAS writes ``out`` directly for whole operands or
+    their transposes; an ``out`` sharing memory with an operand (gemm's output must not alias its inputs)
+    takes the product into a new array first.  Oracle: NumPy's product of copies."""
+    X, Y = rng.normal(size=(m, m)), rng.normal(size=(m, m))
+    for a, b in [(X, Y), (X.T, Y), (X, Y.T), (X.T, Y.T)]:
+        out = np.empty((m, m))
+        matmul(a, b, out)
+        np.testing.assert_allclose(out, np.asarray(a) @ np.asarray(b), rtol=1e-13, atol=1e-13)
+    for how in ("X", "Y", "both", "X.T"):  # out is an operand, or overlaps it
+        A, B = X.copy(), Y.copy()
+        expected = (A @ A if how == "both" else A.T @ B if how == "X.T" else A @ B)
+        args = {"X": (A, B, A), "Y": (A, B, B), "both": (A, A, A), "X.T": (A.T, B, A)}[how]
+        matmul(*args)
+        np.testing.assert_allclose(args[2], expected, rtol=1e-13, atol=1e-13)
+    buf = rng.normal(size=(2 * m, m))  # out = the upper half of the buffer whose overlapping rows are Y
+    expected = X @ buf[m // 2: m // 2 + m]
+    matmul(X, buf[m // 2: m // 2 + m], buf[:m])
+    np.testing.assert_allclose(buf[:m], expected, rtol=1e-13, atol=1e-13)
+
+
 def test_nonzero_index_and_its_decision():
     X = np.array([[0.0, 2.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0], [3.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1e-300]])
     idx = np.full((4, 5), -1, dtype=np.int64)
