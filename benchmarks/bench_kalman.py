@@ -498,8 +498,9 @@ def run_real_models(quick: bool = False) -> list[Section]:
                 "The dense m=20 target (forward within 1.5x of the operand-shape limit) sits at its goal:",
                 "- 2026-12-05: the forward timed as statsmodels' `loglike` runs, a function of the log-likelihood "
                 "alone (until then it also returned `predicted_cov`, so the kernel copied the frozen covariance "
-                "into it at every steady step): 0.565 -> 0.53 ms, limit / forward 0.64 -> 0.67-0.68 on a quiet "
-                "machine (0.58 in a run at load 2). `matmul` now writes BLAS products into the output directly "
+                "into it at every steady step): 0.565 -> 0.52-0.53 ms, limit / forward 0.64 -> 0.65-0.68 in "
+                "three runs on a quiet machine (0.58 in one at load 2): the goal, 0.667, within the run-to-run "
+                "noise. `matmul` now writes BLAS products into the output directly "
                 "(no operand copies, allocation or copy back) for whole operands or their transposes: dense f+g "
                 "2.28 -> 2.17-2.22 ms, the forward unchanged.",
                 "",
