@@ -189,7 +189,7 @@ def kalman_adjoint_kernel(y, system, options, ap, Pp, cot, grad, want):
         _row_or_zero(cot.forecast_error_cov, t, X_bar)
         one = p == 1 and k == 1
         if one:  # writes the symmetrized cotangent of P_t into Pbar directly
-            update_vjp_one(v[0], st.Z, jitter, ws, rw, gst.H, Pbar, want.Z)
+            update_vjp_one(v[0], st.Z, jitter, ws, rw, gst.H, Pbar, sx, want.Z)
         else:
             update_vjp(a, v, st.Z, jitter, k, ws, rw, gst.Z, gst.H, want.Z)
         # observe (v_bar gets forecast_error[t]'s); a_t, P_t get predicted_state[t]'s, predicted_cov[t]'s
