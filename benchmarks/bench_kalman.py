@@ -714,6 +714,14 @@ _COST_NOTES = "\n".join([
     "- 2026-12-05: the forward's second product reads W = T P_f's columns in place, in the pass that adds "
     "R Q R^T, mirrors and tests (no transposed copy of W; a row of T with one nonzero makes a row of P' a "
     "scaled column of W). Same results bitwise; forward 0.85 -> 0.79 us per step on pymc-extras' inputs.",
+    "- 2026-12-05, later: the reverse of the one-observable update writes sym(P_f_bar) into P_bar itself and, "
+    "where Z skips its zeros, adds the rank terms on the rows and columns of Z's nonzeros only: one pass over "
+    "m x m fewer per reverse step, the gradient bitwise the same; adjoint 1.10-1.15 -> 1.09-1.10 us per step "
+    "(pymc-extras' inputs, gradient w.r.t. a0, P0, H, Q; interleaved runs), within this machine's noise in "
+    "the bench. Tried, no gain (the same day): the products with T on rows padded to 16 columns (fixed trip "
+    "counts: 119-138 against 86-91 ns for W = T P_f), and W's rows summed in four scalar accumulators over "
+    "the nonzeros of a row (121-138 against 97-168 ns). A pass over 13 x 13 stays at 50-110 ns whatever its "
+    "trip counts or arithmetic: index and loop overhead, and a store-to-load chain per row axpy.",
     "- Remaining: loops over rows of 13 entries vectorise only in part (4 or 8 wide, then a scalar "
     "remainder); loops over lists of nonzeros load an index per row axpy; both triangles of P_f and P' are "
     "stored (they are outputs). Ablation of the forward (each stage run twice per step, 2026-12-04, before "

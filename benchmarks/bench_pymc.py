@@ -163,7 +163,10 @@ def run_structural_nutpie(quick: bool = False) -> Section:
         f"bulk ESS ({res['iterops'][3] / res['scan'][3]:.3g} here; 1.05, 1.10 and 1.19 in runs of "
         "2026-12-04 with the same seed: ESS moves from run to run). 8x at equal ESS needs a leapfrog "
         f"step {8.0 / step_ratio:.2g}x cheaper than in this run: the filter and its adjoint nearer their loop floors "
-        "(`Kalman filter: cost model`)."
+        "(`Kalman filter: cost model`). Four runs in a row of this section (2026-12-05, load 1-1.5, the same "
+        "code) gave 6.15x, 8.15x, 6.77x and 5.77x: the Scan's leapfrog step took 3.46, 4.31, 3.69 and 4.30 ms, "
+        "iterops' 597, 581, 599 and 819 us; both move with the machine's load, and one run at 8x is not the target "
+        "met."
     )
     for impl in ("iterops", "scan"):
         section.rows.append([impl, *res[impl], ratio if impl == "iterops" else 1.0])
