@@ -722,7 +722,7 @@ def update_vjp_one(v0, Zt, jitter, ws, rw, gH, P_bar, sx, want_Z=True):
             zi = z[i]
             mi = mb[i]
             for j in range(m):
-                W[q, j] = S[i, j] + x * (zi * z[j]) + 0.5 * (mi * z[j] + mb[j] * zi)
+                W[q, j] = _p_bar_entry(S[i, j], x, zi, z[j], mi, mb[j])
         for q in range(nz):
             i = sx.Z[0, q + 1]
             for j in range(m):
@@ -733,7 +733,14 @@ def update_vjp_one(v0, Zt, jitter, ws, rw, gH, P_bar, sx, want_Z=True):
         zi = z[i]
         mi = mb[i]
         for j in range(m):
-            P_bar[i, j] = S[i, j] + x * (zi * z[j]) + 0.5 * (mi * z[j] + mb[j] * zi)
+            P_bar[i, j] = _p_bar_entry(S[i, j], x, zi, z[j], mi, mb[j])
+
+
+@numba.njit(cache=True, inline="always")
+def _p_bar_entry(s, x, zi, zj, mi, mj):
+    """Entry (i, j) of :func:`update_vjp_one`'s ``P_bar = S + x z^T z + sym(M_bar z)``.  For a symmetric S it
+    is bitwise symmetric in (i, j) (products and sums commute), so both branches write an exactly symmetric P_bar."""
+    return s + x * (zi * zj) + 0.5 * (mi * zj + mj * zi)
 
 
 # ---------------------------------------------------------------------------
