@@ -95,14 +95,27 @@ identity            ``pt.eye(m)`` with ``m`` from ``a`` or ``P``, a constant ``e
                     ``pt.identity_like(P)``
 update ``P_f``      ``P - K Z P``; ``(I - K Z) P``; ``P - K F K^T``; Joseph form
                     ``(I - K Z) P (I - K Z)^T + K H K^T``
-quadratic form      ``v @ inv(F) @ v``, ``v @ solve(F, v)`` (any ``assume_a``), ``pt.dot``
+quadratic form      ``v @ inv(F) @ v``, ``v @ solve(F, v)`` (any ``assume_a``), ``pt.dot``, either
+                    operand order; ``v @ cho_solve((L, True), v)`` and the whitened residual
+                    ``sum(solve_triangular(L, v, lower=True) ** 2)`` with ``L = cholesky(F)``
 log-likelihood      ``-0.5 (p log 2pi + log det F + q)`` (terms in any order);
-                    ``-0.5 (log det(2 pi F) + q)``; ``slogdet(F)[1]`` for ``log det F``;
+                    ``-0.5 (log det(2 pi F) + q)``; ``slogdet(F)[1]``, ``2 sum(log(diag(L)))`` or
+                    ``2 log(prod(diag(L)))`` for ``log det F``;
                     the ``-0.5`` distributed: ``-0.5 p log 2pi - 0.5 log det F - 0.5 q``;
                     ``pm.logp(pm.MvNormal.dist(mu=0, cov=F), v)`` or
                     ``pm.logp(pm.MvNormal.dist(mu=Z a (+ d), cov=F), y)``
 prediction          ``T a_f`` or ``T a_f + c``; ``T P_f T^T + R Q R^T``
 ==================  =====================================================================
+
+These quadratic forms and Cholesky log-determinants are not references of
+their own: :mod:`iterops.fusion.canonical` rewrites them, in the user's step
+and the reference alike, to ``v @ (inv(F) @ v)`` (``solve`` of any
+``assume_a`` but ``"pos"``) or, for the spellings that factorise ``F``, to
+``v @ cho_solve((L, True), v)`` and ``2 sum(log(diag(L)))`` (identities for a
+symmetric ``F``).  The reference accepts both kinds because the check proves
+``F`` positive semi-definite; where it is not numerically positive definite
+the loop's factor fails (NaN, or a raise under FAST_COMPILE), and so does the
+fused filter's (its -inf is returned as NaN).
 
 ``p log(2 pi)`` (or ``-p log(2 pi) / 2`` distributed) may be written as a
 number: it is checked against ``y``'s static size.  The output order, argument
@@ -360,9 +373,12 @@ def _textbook_update(y, a, P, d, Z, H, log2pi_p, half_log2pi_p, variant):
     )
     if mvn:
         return a_f, P_f, _mvn_loglik(v, y, y_hat, F)
-    F_inv = pt.linalg.inv(F)
-    quad = one_of(v @ F_inv @ v, v @ (F_inv @ v), v @ pt.linalg.solve(F, v, assume_a=solver))
-    logdet = one_of(pt.log(pt.linalg.det(F)), pt.linalg.slogdet(F)[1])
+    # the other spellings of v^T F^{-1} v (solve, cho_solve, a whitened residual, either operand order) and of
+    # log det F by a Cholesky factor have one of these normal forms (iterops.fusion.canonical); those that
+    # factorise F fail where it is not positive definite, as the fused filter does (the check proves F PSD)
+    F_inv, L = pt.linalg.inv(F), pt.linalg.cholesky(F)
+    quad = one_of(v @ F_inv @ v, v @ (F_inv @ v), v @ pt.linalg.cho_solve((L, True), v))
+    logdet = one_of(pt.log(pt.linalg.det(F)), pt.linalg.slogdet(F)[1], 2 * pt.sum(pt.log(pt.diag(L))))
     ll = one_of(
         -0.5 * (log2pi_p + logdet + quad),
         -0.5 * (pt.log(pt.linalg.det(2 * np.pi * F)) + quad),
