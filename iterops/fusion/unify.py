@@ -29,8 +29,10 @@ Per-step outputs (``outputs_info=None``) of the user's loop that are used
 outside must each unify with one of the pattern's ``outputs``.
 
 A failed unification is a :class:`~iterops.fusion.registry.Rejection` value
-(nothing is raised) naming the deepest point where the graphs differ, which
-``iterops.explain`` shows for near misses.
+(nothing is raised) naming the deepest point where the graphs differ in the
+furthest stage reached (stop rule, state updates, per-step outputs), which
+``iterops.explain`` shows for near misses; a difference inside an
+alternative of a ``one_of`` counts only when no alternative unifies.
 """
 
 from __future__ import annotations
@@ -462,7 +464,8 @@ class _Unifier:
     def __init__(self, ref: _RefGraph, user: _UserGraph):
         self.ref = ref
         self.user = user
-        self.worst = (-1, "")
+        self.worst = ((-1, -1), "")  # ((stage, depth), message) of the deepest difference in the furthest stage
+        self.stage = 0  # 0 the stop rule, 1 the state updates, 2 the per-step outputs (see :meth:`staged`)
         self._rsig, self._usig = {}, {}
 
     def sig(self, v, memo):
@@ -483,11 +486,11 @@ class _Unifier:
         return s
 
     def fail(self, depth, r, u, why=None, parent=None):
-        if depth > self.worst[0]:
+        if (self.stage, depth) > self.worst[0]:
             msg = why or _difference(r, u)
             if parent is not None and why is None:
                 msg += f" (as an operand of {_expression(parent[0], 1)} / {_expression(parent[1], 1)})"
-            self.worst = (depth, msg)
+            self.worst = ((self.stage, depth), msg)
 
     def unify(self, r, u, env, depth=0, parent=None):
         r, u = _strip(r), _strip(u)
@@ -496,8 +499,8 @@ class _Unifier:
             yield from self._bind_role(ref_role, r, u, env, depth)
             return
         if _is_one_of(r):
-            for alt in r.owner.inputs:
-                yield from self.unify(alt, u, env, depth, parent)
+            yield from self._alternatives([lambda alt=alt: self.unify(alt, u, env, depth, parent)
+                                           for alt in r.owner.inputs])
             return
         u = self.user.lifted.get(u, u)  # a lifted constant where the reference computes something
         if _is_constant(r):
@@ -532,11 +535,41 @@ class _Unifier:
         if rkey != ukey:
             self.fail(depth, r, u, parent=parent)
             return
-        for rch in _expansions(rkey, rch):
-            if ordered:
-                yield from self.unify_seq(rch, uch, env, depth + 1, (r, u))
-            else:
-                yield from self.unify_bag(rch, uch, env, depth + 1, (r, u))
+        seq = self.unify_seq if ordered else self.unify_bag
+        expansions = _expansions(rkey, rch)
+        if len(expansions) == 1:
+            yield from seq(expansions[0], uch, env, depth + 1, (r, u))
+        else:
+            yield from self._alternatives([lambda ch=ch: seq(ch, uch, env, depth + 1, (r, u)) for ch in expansions])
+
+    def staged(self, stage, envs):
+        """The environments of the search ``envs``, its differences recorded as found in ``stage``."""
+        while True:
+            self.stage = stage
+            e = next(envs, None)
+            if e is None:
+                return
+            yield e
+
+    def _alternatives(self, searches):
+        """The environments of each search in turn (the alternatives of a ``one_of``).  Differences found
+        inside them are reported only when none unifies: a spelling the user did not write is not the reason
+        a loop is kept."""
+        inner, matched = ((-1, -1), ""), False
+        for search in searches:
+            it = search()
+            while True:
+                outer, self.worst = self.worst, ((-1, -1), "")
+                e = next(it, None)
+                if self.worst[0] > inner[0]:
+                    inner = self.worst
+                self.worst = outer
+                if e is None:
+                    break
+                matched = True
+                yield e
+        if not matched and inner[0] > self.worst[0]:
+            self.worst = inner
 
     def _broadcast_scalar_role(self, r):
         """The scalar ``constant_ok`` role ``r`` broadcasts (``ExpandDims``), else None."""
@@ -671,7 +704,7 @@ class _LoopUnification:
                 e0 = env if bound is not None else env.bind(name, s)
                 if s.type.ndim != pattern.role(name).ndim:
                     continue
-                for e in un.unify(ref_upd[name], user.updates[s], e0, 1):
+                for e in un.staged(1, un.unify(ref_upd[name], user.updates[s], e0, 1)):
                     # the state's own input must be the one bound to its role
                     if e.roles.get(name) is s:
                         yield from states(i + 1, e)
@@ -686,7 +719,7 @@ class _LoopUnification:
             for name, r_out in zip(out_roles, ref.outputs):
                 if name in env.roles:
                     continue
-                for e in un.unify(r_out, user.outputs[j], env, 1):
+                for e in un.staged(2, un.unify(r_out, user.outputs[j], env, 1)):
                     yield from outputs(i + 1, _Env({**e.roles, name: j}, e.users, e.pending))
 
         env = _Env()
@@ -696,7 +729,7 @@ class _LoopUnification:
         if ref.cond is None and user.cond is not None:
             self.rejection = Rejection("the loop has an until stop the pattern does not have", 0.5)
             return
-        envs = un.unify(ref.cond, user.cond, env, 1) if ref.cond is not None else [env]
+        envs = un.staged(0, un.unify(ref.cond, user.cond, env, 1)) if ref.cond is not None else [env]
         found = False
         for e0 in envs:
             for e1 in states(0, e0):
@@ -706,4 +739,6 @@ class _LoopUnification:
                     found = True
                     yield e
         if not found:
-            self.rejection = Rejection(f"the step differs from the reference: {un.worst[1]}", 1.0 + un.worst[0])
+            (stage, depth), why = un.worst
+            # a difference in a later stage is closer (the states unified); within a stage, a deeper one
+            self.rejection = Rejection(f"the step differs from the reference: {why}", 1.0 + 16 * stage + min(depth, 15))
