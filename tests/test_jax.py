@@ -12,7 +12,9 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
+import zlib
 from functools import partial
 
 import jax
@@ -392,6 +394,210 @@ def test_failure_values():
     assert np.all(np.isnan(phi)) and np.isnan(s2) and np.all(np.isnan(pacf))
     acov = jlevinson.acovf(jnp.arange(3.0), 4)
     assert np.all(np.isnan(acov[3:])) and np.all(np.isfinite(acov[:3]))
+
+
+def _yule_walker_numpy(g, p):
+    """``(phi, sigma2)``: the Yule-Walker equations solved densely (the oracle)."""
+    phi = np.linalg.solve(scipy.linalg.toeplitz(g[:p]), g[1 : p + 1])
+    return phi, g[0] - g[1 : p + 1] @ phi
+
+
+def test_yule_walker_gradient_with_constant_cotangents_under_jax():
+    """``phi.sum() + s2``: both cotangents are constants (``s2``'s a 0-d one, which PyTensor's JAX linker
+    passes as a Python float), against central differences of the dense Yule-Walker solve."""
+    G = np.array([2.0, 1.1, 0.4, 0.1, 0.05])
+    g = _tensor("acov", G)
+    phi, s2 = iterops.ts.yule_walker(g, 3)
+    f = pytensor.function([g], [phi, s2, pytensor.grad(phi.sum() + s2, g)], mode="JAX")
+    got_phi, got_s2, got_grad = f(G)
+    e_phi, e_s2 = _yule_walker_numpy(G, 3)
+    cost = lambda x: _yule_walker_numpy(x, 3)[0].sum() + _yule_walker_numpy(x, 3)[1]  # noqa: E731
+    h = 1e-6
+    fd = np.array([(cost(G + h * e) - cost(G - h * e)) / (2 * h) for e in np.eye(G.size)])
+    np.testing.assert_allclose(got_phi, e_phi, rtol=1e-12)
+    np.testing.assert_allclose(got_s2, e_s2, rtol=1e-12)
+    np.testing.assert_allclose(got_grad, fd, rtol=1e-7, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------
+# Every registered Op: constant and disconnected cotangents, integer and constant inputs
+# ---------------------------------------------------------------------------
+#
+# PyTensor's JAX linker passes a 0-d constant as a Python scalar: a constant cotangent (an output that enters
+# the cost linearly), a disconnected one's placeholder, a constant ``tol`` or ``sigma2``.  Each case calls a
+# public function on some integer (and constant) inputs and differentiates two costs: every output linear
+# (every cotangent a constant) and the last output alone, squared (the others disconnected); ``extra``
+# outputs come from calls on integer inputs only (values).  Parametrized over PyTensor's JAX registry, so a
+# new Op fails until it has a case.  Oracle: the same graph run by the Python linker (FAST_COMPILE: each
+# Op's ``perform``, the Numba kernel).
+
+
+def _ints(x):
+    return np.asarray(x, dtype=np.int64)
+
+
+def _io_lyapunov(rng):
+    A, Q = _stable(rng, 3), _ints([[3, 1, 0], [1, 2, 0], [0, 0, 1]])
+    a, q = _tensor("A", A), _tensor("Q", Q)
+    return [a, q], [A, Q], [a], [iterops.solve_discrete_lyapunov(a, q)], []
+
+
+def _io_dare(rng):
+    A, B, Q = _stable(rng, 3, 1.1), rng.normal(size=(3, 2)), _ints(np.eye(3) + 1)
+    a, b, q = _tensor("A", A), _tensor("B", B), _tensor("Q", Q)
+    return [a, b, q], [A, B, Q], [a, b], [solve_discrete_are(a, b, q, 2 * np.eye(2, dtype=np.int64))], []
+
+
+def _io_block_diag(rng):
+    X, Xi = rng.normal(size=(3, 2, 2)), _ints(rng.integers(-5, 5, size=(2, 1, 3)))
+    x, xi = _tensor("x", X), _tensor("xi", Xi)
+    return [x, xi], [X, Xi], [x], [iterops.block_diag(x)], [iterops.block_diag(xi)]
+
+
+def _io_toeplitz(rng):
+    C, R, B = np.r_[4.0, 0.5 * rng.normal(size=3)], _ints([4, 1, -1, 2]), _ints([[1, 0], [2, -1], [0, 3], [1, 1]])
+    c, r, b = _tensor("c", C), _tensor("r", R), _tensor("b", B)
+    return [c, r, b], [C, R, B], [c], [iterops.solve_toeplitz((c, r), b)], []
+
+
+def _io_single(fn, value, int_value):
+    """A function of one array: the float call differentiated, the integer call's values."""
+
+    def build(rng):
+        x, xi = _tensor("x", value(rng)), _tensor("xi", _ints(int_value))
+        return [x, xi], [value(rng), _ints(int_value)], [x], list(fn(x)), list(fn(xi))
+
+    return build
+
+
+def _listed(fn):
+    return lambda x: [fn(x)]
+
+
+def _io_ar_to_acov(rng):
+    P = iterops.ts.pacf_to_ar(np.array([0.5, -0.3, 0.6])).eval()
+    p, s = _tensor("phi", P), _tensor("sigma2", np.float64(1.3))
+    # sigma2 a symbolic float and a constant integer (a Python int under JAX)
+    outs = [iterops.ar_to_acov(p, s, 5), iterops.ar_to_acov(p, 2, 4)]
+    return [p, s], [P, np.float64(1.3)], [p, s], outs, [iterops.ar_to_acov(_ints([0, 0]), 3, 3)]
+
+
+def _io_doubling_loop(rng):
+    A, Q = _stable(rng, 3, 0.7), _ints([[2, 1, 0], [1, 2, 0], [0, 0, 1]])
+    a, q = _tensor("A", A), _tensor("Q", Q)
+    return [a, q], [A, Q], [a], list(smith_doubling_loop(a, q, 1e-9, 30)), []
+
+
+def _io_fixed_point_loop(rng):
+    A, Q, X0 = _stable(rng, 3, 0.7), _spd(rng, 3), _ints(np.eye(3))
+    a, q, x0 = _tensor("A", A), _tensor("Q", Q), _tensor("X0", X0)
+    outs = [lyapunov_fixed_point_loop(a, q, x0, 1e-9, 200), lyapunov_fixed_point_loop(a, q, x0, 1e-9, 300, w=0.6)]
+    return [a, q, x0], [A, Q, X0], [a, q], outs, []
+
+
+def _io_kalman(fn, **kwargs):
+    """``a0`` and ``P0`` integers; the filter differentiated in ``y`` and the system matrices."""
+
+    def build(rng):
+        vals = _kalman_values(rng, n=6)
+        vals[1], vals[2] = _ints(vals[1]), _ints(vals[2])
+        syms = [_tensor(nm, v) for nm, v in zip(KALMAN_NAMES, vals)]
+        wrt = [] if fn is iterops.kalman_smoother else [syms[0], *syms[3:]]
+        return syms, vals, wrt, list(_kalman(fn, *syms, **kwargs)), []
+
+    return build
+
+
+def _io_kalman_diffuse(rng):
+    """A local linear trend (both states diffuse): integer ``a0``, ``P0``, ``T``, ``Z``, ``R``."""
+    y = np.cumsum(rng.normal(size=(8, 1)), axis=0)
+    vals = [y, _ints([0, 0]), _ints(np.zeros((2, 2))), np.zeros(2), np.zeros(1), _ints([[1, 1], [0, 1]]),
+            _ints([[1, 0]]), _ints(np.eye(2)), np.array([[0.5]]), np.diag([0.3, 0.05])]
+    syms = [_tensor(nm, v) for nm, v in zip(KALMAN_NAMES, vals)]
+    res = _kalman(iterops.kalman_filter, *syms, diffuse=[True, True])
+    return syms, vals, [syms[0], syms[8], syms[9]], list(res), []
+
+
+def _pacf_value(rng):
+    return np.array([0.5, -0.3, 0.2, 0.7])
+
+
+def _phi_value(rng):
+    return iterops.ts.pacf_to_ar(np.array([0.5, -0.3, 0.6])).eval()
+
+
+IO_CASES = {
+    "lyapunov": _io_lyapunov,
+    "dare": _io_dare,
+    "block_diag": _io_block_diag,
+    "toeplitz": _io_toeplitz,
+    "levinson_durbin": _io_single(lambda x: iterops.levinson_durbin(x, 3), _ar_acov, [5, 2, 1, 0, 0]),
+    "levinson_recursion": _io_single(lambda x: levinson_recursion(x, 3), _ar_acov, [5, 2, 1, 0, 0]),
+    "acovf": _io_single(_listed(lambda x: iterops.acovf(x, 3)), lambda rng: rng.normal(size=12), [1, 3, 0, 2, 5]),
+    "pacf_to_ar": _io_single(_listed(iterops.pacf_to_ar), _pacf_value, [0, 0, 0]),
+    "ar_to_pacf": _io_single(_listed(iterops.ar_to_pacf), _phi_value, [0, 0]),
+    "ar_to_acov": _io_ar_to_acov,
+    "doubling_loop": _io_doubling_loop,
+    "fixed_point_loop": _io_fixed_point_loop,
+    "kalman_filter": _io_kalman(iterops.kalman_filter),
+    "kalman_filter_diffuse": _io_kalman_diffuse,
+    "kalman_smoother": _io_kalman(iterops.kalman_smoother),
+}
+#: the case whose graph holds each registered Op (a new Op fails ``test_every_registered_op_...`` until added)
+IO_CASE_OF = {
+    "DiscreteLyapunov": "lyapunov", "DiscreteARE": "dare", "BlockDiag": "block_diag", "SolveToeplitz": "toeplitz",
+    "LevinsonDurbin": "levinson_durbin", "LevinsonDurbinGrad": "levinson_durbin",
+    "LevinsonRecursion": "levinson_recursion", "LevinsonRecursionGrad": "levinson_recursion",
+    "AutoCov": "acovf", "PacfToAR": "pacf_to_ar", "ARDerivative": "pacf_to_ar", "ARToPacf": "ar_to_pacf",
+    "ARToAcov": "ar_to_acov", "SmithDoublingLoop": "doubling_loop", "SmithDoublingLoopGrad": "doubling_loop",
+    "LyapunovFixedPointLoop": "fixed_point_loop", "LyapunovFixedPointLoopGrad": "fixed_point_loop",
+    "KalmanFilter": "kalman_filter", "KalmanFilterGrad": "kalman_filter",
+    "KalmanFilterDiffuse": "kalman_filter_diffuse", "KalmanFilterDiffuseGrad": "kalman_filter_diffuse",
+    "KalmanSmoother": "kalman_smoother",
+}
+#: with ``-m slow``: the oracle's first diffuse filter call compiles the Numba glue (~17 s CPU per process)
+SLOW_IO_CASES = {"kalman_filter_diffuse"}
+
+
+def _registered_op_classes():
+    """The iterops Ops PyTensor's JAX dispatch knows, each marked slow if its case is in :data:`SLOW_IO_CASES`."""
+    classes = sorted((c for c in jax_funcify.registry if c.__module__.startswith("iterops")), key=lambda c: c.__name__)
+    return [pytest.param(c, id=c.__name__, marks=[pytest.mark.slow] if IO_CASE_OF.get(c.__name__) in SLOW_IO_CASES else [])
+            for c in classes]
+
+
+@functools.cache
+def _io_case_results(case):
+    """``(Op classes in the JAX graph, JAX results, oracle results)`` of an :data:`IO_CASES` case (compiled
+    once per process: the Ops of one case share it)."""
+    inputs, values, wrt, outputs, extra = IO_CASES[case](np.random.default_rng(zlib.crc32(case.encode())))
+    floats = [o for o in outputs if o.type.numpy_dtype.kind == "f"]
+    costs = [sum(o.sum() for o in floats), (floats[-1] ** 2).sum()]
+    grads = [g for c in costs for g in pytensor.grad(c, wrt, disconnected_inputs="ignore")] if wrt else []
+    wanted = [*outputs, *extra, *grads]
+    f_jax = pytensor.function(inputs, wanted, mode="JAX")
+    f_ref = pytensor.function(inputs, wanted, mode="FAST_COMPILE")
+    ops = {type(getattr(n.op, "core_op", n.op)) for n in f_jax.maker.fgraph.apply_nodes}
+    return ops, f_jax(*values), f_ref(*values)
+
+
+def test_every_jax_registration_goes_through_register_op():
+    """Every iterops Op PyTensor's JAX dispatch knows was registered by ``register_op`` (which converts what
+    the linker passes)."""
+    from iterops.jax._common import REGISTERED
+
+    ours = {c for c in jax_funcify.registry if c.__module__.startswith("iterops")}
+    assert ours == set(REGISTERED), sorted(c.__name__ for c in ours ^ set(REGISTERED))
+
+
+@pytest.mark.parametrize("op_class", _registered_op_classes())
+def test_every_registered_op_takes_constant_disconnected_and_integer_inputs(op_class):
+    case = IO_CASE_OF.get(op_class.__name__)
+    assert case is not None, f"add a case for {op_class.__name__} to IO_CASES / IO_CASE_OF"
+    ops, got, expected = _io_case_results(case)
+    assert op_class in ops, f"case {case!r} does not run {op_class.__name__} under JAX: {sorted(c.__name__ for c in ops)}"
+    for i, (a, e) in enumerate(zip(got, expected, strict=True)):
+        _close(a, e, what=f"{case} output {i}")
 
 
 # ---------------------------------------------------------------------------

@@ -3,7 +3,9 @@ samplers (``pm.sample(nuts_sampler="numpyro" | "blackjax")``).
 
 One module per algorithm, each with plain JAX functions (jit-able, vmap-able, on core shapes; PyTensor's
 ``Blockwise`` vectorizes them over batch dimensions) and a ``register(jax_funcify)`` that registers them
-for the iterops Ops:
+for the iterops Ops, each through :func:`iterops.jax._common.register_op` (every input a JAX array of the
+Op's working dtype, whatever the linker passes: a Python scalar for a 0-d constant such as a constant or
+disconnected cotangent, integers; every output in the node's dtype):
 
 - :mod:`iterops.jax.lyapunov`: ``DiscreteLyapunov`` (doubling / Schur / auto), ``SmithDoublingLoop``,
   ``LyapunovFixedPointLoop`` and their gradient Ops;

@@ -1,14 +1,62 @@
-"""Helpers shared by the JAX implementations: output dtypes, masks for loops over a traced index."""
+"""Helpers shared by the JAX implementations: :func:`register_op` (how every iterops Op is registered with
+PyTensor's JAX dispatch: inputs converted, outputs cast), masks for loops over a traced index, small products."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["out_dtypes", "cast_outputs", "masked_reverse", "constant_int", "mm"]
+__all__ = ["REGISTERED", "register_op", "out_dtypes", "cast_outputs", "masked_reverse", "constant_int", "mm"]
 
 #: products with at most this many multiplications are written as a broadcast product and a sum
 MM_ELEMENTWISE_MAX = 2048
+
+
+#: every iterops Op class with a JAX implementation (each registered by :func:`register_op`)
+REGISTERED: list[type] = []
+
+
+def register_op(jax_funcify, op_class, work=None, integer=()):
+    """Decorator registering ``build(op, node) -> fn`` as the JAX implementation of ``op_class``, where ``fn``
+    gets every input as a JAX array of its working dtype and its outputs are cast to the node's dtypes.
+
+    What PyTensor's JAX linker passes is not always an array of the input's type: a 0-d constant arrives as
+    a Python scalar (``jax_typify``), e.g. the constant cotangent ``1`` of ``s2`` in ``phi.sum() + s2``, a
+    ``tol``, a disconnected cotangent's ``zeros(())`` placeholder; and public functions accept integer data.
+    So every input becomes ``jnp.asarray(x, dtype)``, the ``dtype``:
+
+    - of an integer input at a position in ``integer`` (a count: ``n_steps``): its own;
+    - of any other input: ``work`` when given (the dtype the Op computes in, e.g. float64); else its own
+      for a float or complex input, and the node's first output dtype for an integer one.
+    """
+
+    def decorate(build):
+        def funcify(op, node=None, **kwargs):
+            fn = build(op, node)
+            dtypes = [_working_dtype(node, i, work, i in integer) for i in range(len(node.inputs))]
+
+            def op_fn(*args):
+                return cast_outputs(node, fn(*(jnp.asarray(x, d) for x, d in zip(args, dtypes, strict=True))))
+
+            op_fn.__name__ = op_class.__name__  # PyTensor names the generated code's functions after it
+            return op_fn
+
+        jax_funcify.register(op_class)(funcify)
+        if op_class not in REGISTERED:
+            REGISTERED.append(op_class)
+        return build
+
+    return decorate
+
+
+def _working_dtype(node, i, work, integer):
+    """The dtype :func:`register_op` gives input ``i`` of ``node``."""
+    own = np.dtype(node.inputs[i].type.dtype)
+    if own.kind in "biu" and integer:
+        return own
+    if work is not None:
+        return np.dtype(work)
+    return np.dtype(node.outputs[0].type.dtype) if own.kind in "biu" else own
 
 
 def out_dtypes(node):

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from iterops.jax._common import masked_reverse
+from iterops.jax._common import masked_reverse, register_op
 
 __all__ = ["pacf_to_ar", "ar_to_pacf", "ar_to_acov", "ar_derivative"]
 
@@ -280,35 +280,14 @@ def ar_derivative(fn, mode, x, v, nlags=-1):
 def register(jax_funcify):
     from iterops.ts.ar import ARDerivative, ARToAcov, ARToPacf, PacfToAR
 
-    def _vec(kernel):
-        def funcify(op, node=None, **kwargs):
-            out = node.outputs[0].type.dtype
+    f64 = jnp.float64
+    register_op(jax_funcify, PacfToAR, work=f64)(lambda op, node: pacf_to_ar)
+    register_op(jax_funcify, ARToPacf, work=f64)(lambda op, node: ar_to_pacf)
 
-            def lattice_map(x):
-                return kernel(x.astype(jnp.float64)).astype(out)
+    @register_op(jax_funcify, ARToAcov, work=f64)
+    def _ar_to_acov(op, node):
+        return lambda phi, sigma2: ar_to_acov(phi, sigma2, op.nlags)
 
-            return lattice_map
-
-        return funcify
-
-    jax_funcify.register(PacfToAR)(_vec(pacf_to_ar))
-    jax_funcify.register(ARToPacf)(_vec(ar_to_pacf))
-
-    @jax_funcify.register(ARToAcov)
-    def _ar_to_acov(op, node=None, **kwargs):
-        out, nlags = node.outputs[0].type.dtype, op.nlags
-
-        def ar_to_acov_fn(phi, sigma2):
-            return ar_to_acov(phi.astype(jnp.float64), jnp.asarray(sigma2, jnp.float64), nlags).astype(out)
-
-        return ar_to_acov_fn
-
-    @jax_funcify.register(ARDerivative)
-    def _ar_derivative(op, node=None, **kwargs):
-        out, fn, mode, nlags = node.outputs[0].type.dtype, op.fn, op.mode, op.nlags
-
-        def ar_derivative_fn(x, v):
-            f64 = jnp.float64
-            return ar_derivative(fn, mode, x.astype(f64), v.astype(f64), nlags).astype(out)
-
-        return ar_derivative_fn
+    @register_op(jax_funcify, ARDerivative, work=f64)
+    def _ar_derivative(op, node):
+        return lambda x, v: ar_derivative(op.fn, op.mode, x, v, op.nlags)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from iterops.jax._common import register_op
+
 __all__ = ["block_diag"]
 
 
@@ -20,11 +22,4 @@ def block_diag(x):
 def register(jax_funcify):
     from iterops.linalg.block_diag import BlockDiag
 
-    @jax_funcify.register(BlockDiag)
-    def _block_diag(op, node=None, **kwargs):
-        out = node.outputs[0].type.dtype
-
-        def block_diag_fn(x):
-            return block_diag(x).astype(out)
-
-        return block_diag_fn
+    register_op(jax_funcify, BlockDiag)(lambda op, node: block_diag)

@@ -61,12 +61,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from iterops.jax._common import mm
+from iterops.jax._common import mm, register_op
+from iterops.ts._kalman_steps import LOG_2PI
+from iterops.ts.kalman import SYSTEM_NAMES
 
 __all__ = ["KalmanOptions", "kalman_filter", "kalman_filter_vjp", "kalman_smoother"]
-
-LOG_2PI = float(np.log(2.0 * np.pi))
-SYSTEM_NAMES = ("c", "d", "T", "Z", "R", "H", "Q")
 
 
 class KalmanOptions(NamedTuple):
@@ -439,18 +438,13 @@ def register(jax_funcify):
     def options(op):
         return KalmanOptions(tuple(op.time_varying), float(op.cov_jitter), op.missing_value)
 
-    @jax_funcify.register(KalmanFilter)
-    def _filter(op, node=None, **kwargs):
+    @register_op(jax_funcify, KalmanFilter, work=jnp.float64)
+    def _filter(op, node):
         opts = options(op)
+        return lambda *args: kalman_filter(*op_inputs(args)[0], options=opts)
 
-        def kalman_filter_fn(*args):
-            inputs, _ = op_inputs(args)
-            return kalman_filter(*inputs, options=opts)
-
-        return kalman_filter_fn
-
-    @jax_funcify.register(KalmanFilterGrad)
-    def _filter_grad(op, node=None, **kwargs):
+    @register_op(jax_funcify, KalmanFilterGrad, work=jnp.float64)
+    def _filter_grad(op, node):
         opts = options(op)
 
         def kalman_filter_grad_fn(*args):
@@ -459,15 +453,10 @@ def register(jax_funcify):
 
         return kalman_filter_grad_fn
 
-    @jax_funcify.register(KalmanSmoother)
-    def _smoother(op, node=None, **kwargs):
+    @register_op(jax_funcify, KalmanSmoother, work=jnp.float64)
+    def _smoother(op, node):
         opts = options(op)
-
-        def kalman_smoother_fn(*args):
-            inputs, _ = op_inputs(args)
-            return kalman_smoother(*inputs, options=opts)
-
-        return kalman_smoother_fn
+        return lambda *args: kalman_smoother(*op_inputs(args)[0], options=opts)
 
     from iterops.jax import kalman_diffuse  # kalman_filter(..., diffuse=...): its own module
 

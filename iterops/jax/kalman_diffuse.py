@@ -34,16 +34,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from iterops.jax.kalman import KalmanOptions, kalman_filter
+from iterops.jax._common import register_op
+from iterops.jax.kalman import KalmanOptions, _cotangents, kalman_filter
+from iterops.ts._kalman_steps import LOG_2PI
+from iterops.ts.kalman import SYSTEM_NAMES
 
 __all__ = ["kalman_filter_diffuse", "kalman_filter_diffuse_vjp", "register"]
 
-LOG_2PI = float(np.log(2.0 * np.pi))
 TOL = 1e-10  # statsmodels' tolerance_diffuse, as iterops.ts._kalman_diffuse.DIFFUSE_TOL
-NAMES = ("c", "d", "T", "Z", "R", "H", "Q")
 
 
 def _missing(yt, opts):
@@ -111,8 +111,8 @@ def _diffuse_core(opts):
 
 def _system_at(system, opts, t_slice):
     """The matrices of one step from the per-step slices ``t_slice`` of the time-varying ones."""
-    tv = dict(zip([k for k, f in zip(NAMES, opts.time_varying) if f], t_slice))
-    return tuple(tv[k] if f else x[0] for k, x, f in zip(NAMES, system, opts.time_varying))
+    tv = dict(zip([k for k, f in zip(SYSTEM_NAMES, opts.time_varying) if f], t_slice))
+    return tuple(tv[k] if f else x[0] for k, x, f in zip(SYSTEM_NAMES, system, opts.time_varying))
 
 
 def _step_components(yt, miss, st, a, P, Pi):
@@ -369,12 +369,7 @@ def kalman_filter_diffuse_vjp(inputs, cotangents, options=KalmanOptions()):
     """Cotangents of the 11 inputs from those of the 8 outputs (``None`` or zero-size: zero); NaN on failure."""
     inputs = tuple(jnp.asarray(x, jnp.float64) for x in inputs)
     outs, pull = jax.vjp(lambda y, a0, P0, Pinf, *system: _filter(y, a0, P0, Pinf, system, options), *inputs)
-    cts = []
-    for g, out in zip(cotangents, outs):
-        if g is None or (np.size(g) == 0 and out.size != 0):
-            cts.append(jnp.zeros_like(out))
-        else:
-            cts.append(jnp.broadcast_to(jnp.asarray(g, jnp.float64), out.shape))
+    cts = [jnp.zeros_like(out) if g is None else g for g, out in zip(_cotangents(cotangents, outs), outs)]
     grads = pull(tuple(cts))
     failed = jnp.isneginf(outs[0])
     return tuple(jnp.where(failed, jnp.nan, g) for g in grads)
@@ -386,21 +381,13 @@ def register(jax_funcify):
     def options(op):
         return KalmanOptions(tuple(op.time_varying), 0.0, op.missing_value)
 
-    @jax_funcify.register(KalmanFilterDiffuse)
-    def _filter_op(op, node=None, **kwargs):
+    @register_op(jax_funcify, KalmanFilterDiffuse, work=jnp.float64)
+    def _filter_op(op, node):
         opts = options(op)
+        return lambda *inputs: kalman_filter_diffuse(*inputs, options=opts)
 
-        def kalman_filter_diffuse_fn(*inputs):
-            return kalman_filter_diffuse(*inputs, options=opts)
-
-        return kalman_filter_diffuse_fn
-
-    @jax_funcify.register(KalmanFilterDiffuseGrad)
-    def _grad_op(op, node=None, **kwargs):
+    @register_op(jax_funcify, KalmanFilterDiffuseGrad, work=jnp.float64)
+    def _grad_op(op, node):
         opts = options(op)
-
-        def kalman_filter_diffuse_grad_fn(*args):
-            inputs, cots = args[:11], args[13:]
-            return kalman_filter_diffuse_vjp(inputs, cots, opts)
-
-        return kalman_filter_diffuse_grad_fn
+        # inputs (11), predicted_state and predicted_cov (recomputed), the 8 output cotangents
+        return lambda *args: kalman_filter_diffuse_vjp(args[:11], args[13:], opts)

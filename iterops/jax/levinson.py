@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from iterops.jax._common import cast_outputs, masked_reverse
+from iterops.jax._common import masked_reverse, register_op
 
 __all__ = ["levinson_recursion", "levinson_recursion_vjp", "levinson_durbin", "levinson_durbin_vjp", "acovf"]
 
@@ -220,50 +220,24 @@ def register(jax_funcify):
     from iterops.ts.levinson import AutoCov, LevinsonDurbin, LevinsonDurbinGrad
     from iterops.ts.levinson_recursion import LevinsonRecursion, LevinsonRecursionGrad
 
-    @jax_funcify.register(LevinsonRecursion)
-    def _recursion_fn(op, node=None, **kwargs):
-        order, v_form, dt = op.order, op.v_form, node.outputs[0].type.dtype
+    f64 = jnp.float64
 
-        def levinson_recursion_fn(gamma):
-            return cast_outputs(node, levinson_recursion(gamma.astype(dt), order, v_form))
+    @register_op(jax_funcify, LevinsonRecursion)  # in the loop's dtype
+    def _recursion_fn(op, node):
+        return lambda gamma: levinson_recursion(gamma, op.order, op.v_form)
 
-        return levinson_recursion_fn
+    @register_op(jax_funcify, LevinsonRecursionGrad)
+    def _recursion_grad_fn(op, node):
+        return lambda gamma, *cts: levinson_recursion_vjp(gamma, op.order, *cts, v_form=op.v_form)
 
-    @jax_funcify.register(LevinsonRecursionGrad)
-    def _recursion_grad_fn(op, node=None, **kwargs):
-        order, v_form, dt = op.order, op.v_form, node.outputs[0].type.dtype
+    @register_op(jax_funcify, LevinsonDurbin, work=f64)
+    def _durbin_fn(op, node):
+        return lambda acov: levinson_durbin(acov, op.order)
 
-        def levinson_recursion_grad_fn(gamma, phi_bar, v_bar, kappa_bar):
-            g = levinson_recursion_vjp(gamma.astype(dt), order, phi_bar, v_bar, kappa_bar, v_form)
-            return cast_outputs(node, g)
+    @register_op(jax_funcify, LevinsonDurbinGrad, work=f64)
+    def _durbin_grad_fn(op, node):
+        return lambda acov, phi, phi_bar, sigma2_bar: levinson_durbin_vjp(acov, phi, phi_bar, sigma2_bar, op.order)
 
-        return levinson_recursion_grad_fn
-
-    @jax_funcify.register(LevinsonDurbin)
-    def _durbin_fn(op, node=None, **kwargs):
-        order = op.order
-
-        def levinson_durbin_fn(acov):
-            return cast_outputs(node, levinson_durbin(acov.astype(jnp.float64), order))
-
-        return levinson_durbin_fn
-
-    @jax_funcify.register(LevinsonDurbinGrad)
-    def _durbin_grad_fn(op, node=None, **kwargs):
-        order = op.order
-
-        def levinson_durbin_grad_fn(acov, phi, phi_bar, sigma2_bar):
-            f64 = jnp.float64
-            g = levinson_durbin_vjp(acov.astype(f64), phi.astype(f64), phi_bar.astype(f64), sigma2_bar.astype(f64), order)
-            return cast_outputs(node, g)
-
-        return levinson_durbin_grad_fn
-
-    @jax_funcify.register(AutoCov)
-    def _acov_fn(op, node=None, **kwargs):
-        nlags, adjusted = op.nlags, op.adjusted
-
-        def autocov_fn(x):
-            return cast_outputs(node, acovf(x.astype(jnp.float64), nlags, adjusted))
-
-        return autocov_fn
+    @register_op(jax_funcify, AutoCov, work=f64)
+    def _acov_fn(op, node):
+        return lambda x: acovf(x, op.nlags, op.adjusted)

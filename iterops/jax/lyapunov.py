@@ -30,7 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from iterops.jax._common import cast_outputs, constant_int
+from iterops.jax._common import constant_int, register_op
+from iterops.linalg.lyapunov import _METHODS  # the methods' and stop rules' codes, as the Numba kernels read them
+from iterops.linalg.lyapunov_iteration import _STOPS
 
 __all__ = [
     "solve_discrete_lyapunov",
@@ -43,8 +45,6 @@ __all__ = [
 ]
 
 _EPS = float(np.finfo(np.float64).eps)
-_METHODS = {"auto": 0, "doubling": 1, "schur": 2}
-_STOPS = {None: 0, "max_lt": 1, "max_le": 2, "fro_lt": 3}
 #: above this many stored iterates the gradient recomputes instead of storing (memory)
 _MAX_TAPE = 1 << 20
 
@@ -428,58 +428,36 @@ def register(jax_funcify):
         LyapunovFixedPointLoop, LyapunovFixedPointLoopGrad, SmithDoublingLoop, SmithDoublingLoopGrad,
     )
 
-    @jax_funcify.register(DiscreteLyapunov)
-    def _lyapunov(op, node=None, **kwargs):
-        out = np.dtype(node.outputs[0].type.dtype)
-        work = jnp.complex128 if out.kind == "c" else jnp.float64
-        method, tol, max_iter = op.method, op.tol, op.max_iter
+    @register_op(jax_funcify, DiscreteLyapunov)
+    def _lyapunov(op, node):
+        work = jnp.complex128 if np.dtype(node.outputs[0].type.dtype).kind == "c" else jnp.float64
 
         def discrete_lyapunov(A, Q):
-            X = solve_discrete_lyapunov(A.astype(work), Q.astype(work), method, tol, max_iter)
-            return X.astype(out)
+            return solve_discrete_lyapunov(A.astype(work), Q.astype(work), op.method, op.tol, op.max_iter)
 
         return discrete_lyapunov
 
-    @jax_funcify.register(SmithDoublingLoop)
-    def _doubling_loop(op, node=None, **kwargs):
-        stop, static_n = op.stop, constant_int(node.inputs[3])
+    # the loops compute in their own dtype; n_steps is an integer (input 3 of the doubling Ops, 4 of the others)
+    @register_op(jax_funcify, SmithDoublingLoop, integer=(3,))
+    def _doubling_loop(op, node):
+        static_n = constant_int(node.inputs[3])
+        return lambda A, Q, tol, n_steps: smith_doubling_loop(A, Q, tol, n_steps, op.stop, static_n)
 
-        def doubling_loop(A, Q, tol, n_steps):
-            return cast_outputs(node, smith_doubling_loop(A, Q, tol, n_steps, stop, static_n))
+    @register_op(jax_funcify, SmithDoublingLoopGrad, integer=(3,))
+    def _doubling_loop_grad(op, node):
+        static_n = constant_int(node.inputs[3])
+        return lambda *args: smith_doubling_loop_vjp(*args, stop=op.stop, static_n=static_n)
 
-        return doubling_loop
+    @register_op(jax_funcify, LyapunovFixedPointLoop, integer=(4,))
+    def _fixed_point_loop(op, node):
+        static_n = constant_int(node.inputs[4])
+        if op.damping:
+            return lambda *args: damped_fixed_point_loop(*args, op.damping, op.stop, static_n)
+        return lambda *args: lyapunov_fixed_point_loop(*args, op.stop, static_n)
 
-    @jax_funcify.register(SmithDoublingLoopGrad)
-    def _doubling_loop_grad(op, node=None, **kwargs):
-        stop, static_n = op.stop, constant_int(node.inputs[3])
-
-        def doubling_loop_grad(A, Q, tol, n_steps, Ga, Gg):
-            return cast_outputs(node, smith_doubling_loop_vjp(A, Q, tol, n_steps, Ga, Gg, stop, static_n))
-
-        return doubling_loop_grad
-
-    @jax_funcify.register(LyapunovFixedPointLoop)
-    def _fixed_point_loop(op, node=None, **kwargs):
-        stop, static_n = op.stop, constant_int(node.inputs[4])
-
-        def fixed_point_loop(A, Q, X0, tol, n_steps):
-            return cast_outputs(node, lyapunov_fixed_point_loop(A, Q, X0, tol, n_steps, stop, static_n))
-
-        def damped(A, Q, X0, tol, n_steps, w):
-            X = damped_fixed_point_loop(A, Q, X0, tol, n_steps, w, op.damping, stop, static_n)
-            return cast_outputs(node, X)
-
-        return damped if op.damping else fixed_point_loop
-
-    @jax_funcify.register(LyapunovFixedPointLoopGrad)
-    def _fixed_point_loop_grad(op, node=None, **kwargs):
-        stop, static_n = op.stop, constant_int(node.inputs[4])
-
-        def fixed_point_loop_grad(A, Q, X0, tol, n_steps, G):
-            return cast_outputs(node, lyapunov_fixed_point_loop_vjp(A, Q, X0, tol, n_steps, G, stop, static_n))
-
-        def damped_grad(A, Q, X0, tol, n_steps, w, G):
-            bars = damped_fixed_point_loop_vjp(A, Q, X0, tol, n_steps, w, G, op.damping, stop, static_n)
-            return cast_outputs(node, bars)
-
-        return damped_grad if op.damping else fixed_point_loop_grad
+    @register_op(jax_funcify, LyapunovFixedPointLoopGrad, integer=(4,))
+    def _fixed_point_loop_grad(op, node):
+        static_n = constant_int(node.inputs[4])
+        if op.damping:
+            return lambda *args: damped_fixed_point_loop_vjp(*args, op.damping, op.stop, static_n)
+        return lambda *args: lyapunov_fixed_point_loop_vjp(*args, stop=op.stop, static_n=static_n)

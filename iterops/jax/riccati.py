@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from iterops.jax._common import register_op
 from iterops.jax.lyapunov import solve_discrete_lyapunov
 
 __all__ = ["solve_discrete_are", "register"]
@@ -126,12 +127,6 @@ def solve_discrete_are(A, B, Q, R, tol=0.0, max_iter=100):
 def register(jax_funcify):
     from iterops.linalg.riccati import DiscreteARE
 
-    @jax_funcify.register(DiscreteARE)
-    def _discrete_are(op, node=None, **kwargs):
-        out = np.dtype(node.outputs[0].type.dtype)
-        tol, max_iter = op.tol, op.max_iter
-
-        def discrete_are(A, B, Q, R):
-            return solve_discrete_are(A, B, Q, R, tol, max_iter).astype(out)
-
-        return discrete_are
+    @register_op(jax_funcify, DiscreteARE, work=jnp.float64)
+    def _discrete_are(op, node):
+        return lambda A, B, Q, R: solve_discrete_are(A, B, Q, R, op.tol, op.max_iter)

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from iterops.jax._common import register_op
+
 __all__ = ["solve_toeplitz", "diagonal_sums"]
 
 
@@ -89,12 +91,4 @@ def _levinson(c, r, b):
 def register(jax_funcify):
     from iterops.ts.toeplitz import SolveToeplitz
 
-    @jax_funcify.register(SolveToeplitz)
-    def _solve_toeplitz(op, node=None, **kwargs):
-        out = node.outputs[0].type.dtype
-
-        def solve_toeplitz_fn(c, r, b):
-            f64 = jnp.float64
-            return solve_toeplitz(c.astype(f64), r.astype(f64), b.astype(f64)).astype(out)
-
-        return solve_toeplitz_fn
+    register_op(jax_funcify, SolveToeplitz, work=jnp.float64)(lambda op, node: solve_toeplitz)
