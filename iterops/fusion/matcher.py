@@ -21,6 +21,13 @@ step holds -- then stages 1-2 on the step alone):
    replacement provides (the last state, the trace, ...), static-shape
    constraints hold, and the pattern's own ``check`` accepts the match.
 
+What stages 1-2 decide is a pure function of the step, memoized per Scan op in
+this process and on disk per step (:mod:`iterops.fusion.cache`, keyed on a
+hash of the step and of iterops' sources): the verdict of each pattern, the
+canonical step, the first unification of each variant, the canonical
+reference steps.  A new process compiling the same model reads them instead
+of canonicalizing and unifying again; stage 3 runs on every call.
+
 A loop that does not match gives a :class:`~iterops.fusion.registry.Rejection`
 value per pattern (no stage raises to say "no match"): for a failed
 unification, the deepest point where the graphs differ, which
@@ -31,6 +38,8 @@ importable from here: :func:`match_scan`, :class:`Match`, :class:`Rejection`,
 
 from __future__ import annotations
 
+import hashlib
+import sys
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
@@ -45,6 +54,7 @@ from pytensor.scan.utils import ScanArgs
 from pytensor.tensor.shape import Shape, Shape_i
 
 from iterops.fusion.canonical import (  # noqa: F401  (re-exported: the matcher's public names)
+    _USER_CACHE,
     _inner_inputs,
     _inner_outputs,
     _user_graph,
@@ -53,9 +63,12 @@ from iterops.fusion.canonical import (  # noqa: F401  (re-exported: the matcher'
     provably_equal,
     unsupported_loop,
 )
+from iterops.fusion import cache as _disk
 from iterops.fusion.registry import OneOf, Pattern, Rejection, closest
 from iterops.fusion.unify import (
+    _REF_CACHE,
     _const_equal,
+    _Env,
     _describe,
     _is_constant,
     _LoopUnification,
@@ -136,11 +149,11 @@ def match_scan(fgraph, node, patterns) -> tuple[Match | None, list[tuple[str, Re
     for lift in (False, True):
         if not candidates:
             break
-        user = _user_graph(node, lift=lift)
+        user = _user(node, lift)
         if lift and not user.liftable:
             break
         for pattern in candidates:
-            result = _match_pattern(fgraph, node, user, pattern)
+            result = _match_pattern(fgraph, node, user, pattern, _step_trials(node, pattern).get(lift, {}))
             if isinstance(result, Match):
                 return result, []
             best[pattern.name] = closest(best.get(pattern.name), result)
@@ -157,22 +170,59 @@ def may_match(node, patterns) -> bool:
     return any(inner_reject(node, p) is None for p in patterns)
 
 
-#: Scan op -> (its :class:`_Signature`, {pattern name: Rejection or None}).  Keyed by the op itself: Scan ops
+#: Scan op -> (its :class:`_Signature`, {pattern name: :class:`_StepVerdict`}).  Keyed by the op itself: Scan ops
 #: compare by their (interned) inner graphs, so a step is analysed once per process, also when PyTensor rebuilds
 #: an equal op or the user builds and compiles the same graph again (PyMC's pre-gradient pass, logp and dlogp)
 _INNER: OrderedDict = OrderedDict()
 
 
-def inner_reject(node, pattern: Pattern) -> Rejection | None:
-    """Why no step of ``pattern`` can match ``node``'s inner graph whatever the outer graph, or None.
+@dataclass(frozen=True)
+class _StepVerdict:
+    """What matching a step with a pattern decided, the outer graph aside: a pure function of the step.
 
-    First what the Scan op says at no cost (:func:`_static_reject`); then the
-    step is unified with each variant (states and stop rule; per-step outputs
-    and outer uses are checked later by :func:`match_scan`).  Cached per
-    Scan op (equal ops share the entry): PyTensor visits a Scan node many times
-    and rebuilds nodes around an unchanged op.  A verdict that depended on a
-    step variant this process cannot build yet (see :class:`Pattern`) is not cached.
+    ``why``: None if a variant unifies (states and stop rule), else the closest rejection.  ``trials``:
+    ``{lift: {variant: Rejection}}`` of the (lift, variant) pairs tried before the first that unifies, in
+    :func:`match_scan`'s order; none of them can match, so :func:`match_scan` takes their rejections
+    instead of unifying them again.
     """
+
+    why: Rejection | None
+    trials: dict = field(default_factory=dict)
+    #: variants this process could not build (:class:`Pattern`), for ``dtype``: the verdict holds while they
+    #: still cannot be built (a library imported since may make one match)
+    unbuildable: tuple = ()
+    dtype: str | None = None
+
+    def holds(self, pattern: Pattern) -> bool:
+        """Whether the verdict still holds: each variant it could not use still cannot be built."""
+        return _still_unbuildable(pattern, self.unbuildable, self.dtype)
+
+
+#: (pattern name, variants, dtype) -> ``len(sys.modules)`` when they were last seen unbuildable: a variant
+#: becomes buildable only when a library is imported, so the check is redone only after an import
+_UNBUILDABLE: dict = {}
+
+
+def _still_unbuildable(pattern: Pattern, variants: tuple, dtype: str | None) -> bool:
+    """Whether none of ``pattern``'s step ``variants`` can be built in this process (for ``dtype``)."""
+    if not variants:
+        return True
+    key, now = (pattern.name, variants, dtype), len(sys.modules)
+    if _UNBUILDABLE.get(key) == now:
+        return True
+    if all(isinstance(pattern.step[v](*_role_inputs(pattern, dtype or "float64")), Rejection) for v in variants):
+        _UNBUILDABLE[key] = now
+        return True
+    return False
+
+
+def _persistent(pattern: Pattern) -> bool:
+    """Whether ``pattern``'s verdicts may be kept on disk: its steps are iterops' own (covered by the
+    cache's source digest), not functions a user registered."""
+    return all(getattr(step, "__module__", "").startswith("iterops.") for step in pattern.step)
+
+
+def _verdict(node, pattern: Pattern) -> _StepVerdict:
     op = node.op
     hit = _INNER.get(op)
     if hit is None:
@@ -182,16 +232,40 @@ def inner_reject(node, pattern: Pattern) -> Rejection | None:
     else:
         _INNER.move_to_end(op)
     sig, cache = hit
-    if pattern.name in cache:
-        return cache[pattern.name]
+    verdict = cache.get(pattern.name)
+    if verdict is not None and verdict.holds(pattern):
+        return verdict
     why = _static_reject(sig, pattern)
     if why is not None:
-        cache[pattern.name] = why
-        return why
-    why, complete = _unify_reject(node, pattern)
-    if complete:
-        cache[pattern.name] = why
-    return why
+        cache[pattern.name] = verdict = _StepVerdict(why)
+        return verdict
+    key = f"{_disk.step_key(op)}|{pattern.name}" if _persistent(pattern) and _disk.step_key(op) else None
+    verdict = _disk.load("verdict", key)
+    if verdict is None or not verdict.holds(pattern):
+        verdict = _unify_reject(node, pattern)
+        _disk.store("verdict", key, verdict)
+    cache[pattern.name] = verdict
+    return verdict
+
+
+def inner_reject(node, pattern: Pattern) -> Rejection | None:
+    """Why no step of ``pattern`` can match ``node``'s inner graph whatever the outer graph, or None.
+
+    First what the Scan op says at no cost (:func:`_static_reject`); then the
+    step is unified with each variant (states and stop rule; per-step outputs
+    and outer uses are checked later by :func:`match_scan`).  Cached per
+    Scan op (equal ops share the entry): PyTensor visits a Scan node many times
+    and rebuilds nodes around an unchanged op; and on disk per step
+    (:mod:`iterops.fusion.cache`), so a new process running the same model
+    does not unify again.  A verdict that depended on a
+    step variant this process cannot build yet (see :class:`Pattern`) is not cached.
+    """
+    return _verdict(node, pattern).why
+
+
+def _step_trials(node, pattern: Pattern) -> dict:
+    """``{lift: {variant: Rejection}}``: the (lift, variant) pairs known not to unify before the first that does."""
+    return _verdict(node, pattern).trials
 
 
 @dataclass(frozen=True)
@@ -268,6 +342,7 @@ class _ReferenceFacts:
     #: takes (empty when a variant cannot be built in this process)
     needs: frozenset
     has_loop: bool  # a variant holds a nested Scan (True when a variant cannot be built)
+    unbuildable: tuple = ()  # the variants that could not be built: the facts hold while they still cannot
 
 
 _FACTS: dict = {}
@@ -277,11 +352,16 @@ def _reference_facts(pattern: Pattern) -> _ReferenceFacts:
     """The :class:`_ReferenceFacts` of ``pattern``'s raw reference steps (cached per pattern)."""
     if pattern.name in _FACTS:
         return _FACTS[pattern.name]
-    stops, needs, has_loop = set(), None, False
+    if _persistent(pattern) and (facts := _disk.load("facts", pattern.name)) is not None and \
+            _still_unbuildable(pattern, facts.unbuildable, None):
+        _FACTS[pattern.name] = facts
+        return facts
+    stops, needs, has_loop, built = set(), None, False, []
     for step in pattern.step:
         roles = (*pattern.sequences, *pattern.states, *pattern.non_sequences)
-        ins = [pt.tensor(dtype=r.dtype or "float64", shape=(None,) * r.ndim, name=r.name) for r in roles]
+        ins = _role_inputs(pattern)
         ret = step(*ins)
+        built.append(ret)
         if isinstance(ret, Rejection):  # the variant cannot be built here (e.g. needs a library not imported)
             stops |= {True, False}
             needs, has_loop = frozenset(), True
@@ -294,9 +374,18 @@ def _reference_facts(pattern: Pattern) -> _ReferenceFacts:
         need = _needed_families(read, role_of)
         needs = need if needs is None else needs & need
         has_loop |= any(isinstance(n.op, Scan) for n in io_toposort(ins, [*outs, *read]))
-    facts = _ReferenceFacts(stops=frozenset(stops), needs=needs or frozenset(), has_loop=has_loop)
+    facts = _ReferenceFacts(stops=frozenset(stops), needs=needs or frozenset(), has_loop=has_loop,
+                            unbuildable=tuple(v for v, ret in enumerate(built) if isinstance(ret, Rejection)))
     _FACTS[pattern.name] = facts
+    if _persistent(pattern):
+        _disk.store("facts", pattern.name, facts)
     return facts
+
+
+def _role_inputs(pattern: Pattern, dtype: str = "float64") -> list:
+    """Fresh symbolic inputs of ``pattern``'s roles (sequences, states, non-sequences), of ``dtype`` by default."""
+    roles = (*pattern.sequences, *pattern.states, *pattern.non_sequences)
+    return [pt.tensor(dtype=r.dtype or dtype, shape=(None,) * r.ndim, name=r.name) for r in roles]
 
 
 def _needed_families(outputs, role_of) -> frozenset:
@@ -369,34 +458,52 @@ def _static_reject(sig: _Signature, pattern: Pattern) -> Rejection | None:
 _MAY_BECOME = frozenset({"<linalg or foreign Op>"})
 
 
-def _unify_reject(node, pattern: Pattern) -> tuple[Rejection | None, bool]:
-    """Unification of the step alone (states, stop rule), unlifted and lifted constants: (None if one unifies,
-    else the closest rejection; whether every variant could be built, i.e. the verdict can be cached)."""
-    worst, complete = None, True
+def _unify_reject(node, pattern: Pattern) -> _StepVerdict:
+    """Unification of the step alone (states, stop rule), unlifted and lifted constants: the
+    :class:`_StepVerdict`."""
+    worst, unbuildable, trials, dtype = None, {}, {}, None
     for lift in (False, True):
-        user = _user_graph(node, lift=lift)
+        user = _user(node, lift)
         if lift and not user.liftable:
             break
         if user.unsupported:
-            return Rejection(user.unsupported, 0.0), True
+            return _StepVerdict(Rejection(user.unsupported, 0.0))
         if pattern.needs_ops and not set(pattern.needs_ops) & _op_names(user):
             worst = closest(worst, Rejection(f"the step has none of the operations {', '.join(pattern.needs_ops)}"))
             continue
+        dtype = user.dtype
         for variant in range(len(pattern.step)):
-            ref = _ref_graph(pattern, variant, user.dtype)
+            ref = _reference_graph(pattern, variant, user.dtype)
             if isinstance(ref, Rejection):
-                worst, complete = closest(worst, ref), False
+                worst = closest(worst, ref)
+                unbuildable[variant] = None
                 continue
             envs = _LoopUnification(pattern, ref, user)
             if next(iter(envs), None) is not None:
-                return None, True
+                return _StepVerdict(None, trials)  # (a variant built later cannot change a match)
             worst = closest(worst, envs.rejection)
-    return worst, complete
+            trials.setdefault(lift, {})[variant] = envs.rejection
+    return _StepVerdict(worst, unbuildable=tuple(unbuildable), dtype=dtype)
 
 
-def _match_pattern(fgraph, node, user: _UserGraph, pattern: Pattern) -> Match | Rejection:
+def _reference_graph(pattern: Pattern, variant: int, dtype: str):
+    """:func:`~iterops.fusion.unify._ref_graph`, read from the disk cache (:mod:`iterops.fusion.cache`) when
+    this process has not built it: reference steps are canonicalized once per installation."""
+    key = (pattern.name, variant, dtype)
+    if key not in _REF_CACHE and _persistent(pattern):
+        ref = _disk.load("reference", repr(key))
+        if ref is not None:
+            _REF_CACHE[key] = ref
+        elif not isinstance(ref := _ref_graph(pattern, variant, dtype), Rejection):
+            _disk.store("reference", repr(key), ref)
+    return _ref_graph(pattern, variant, dtype)
+
+
+def _match_pattern(fgraph, node, user: _UserGraph, pattern: Pattern, known=None) -> Match | Rejection:
     """The match of ``node`` with ``pattern`` (the first environment of the first variant that unifies, checked
-    against the outer graph), or the closest :class:`Rejection` over the variants."""
+    against the outer graph), or the closest :class:`Rejection` over the variants.  ``known``: {variant:
+    Rejection} of variants whose step is known not to unify (:func:`_step_trials`), not unified again."""
+    known = known or {}
     # the checks the Scan op and its step decide alone were made by :func:`inner_reject`
     used_outputs = [j for j, o in enumerate(user.outer_outputs) if _has_clients(fgraph, o)]
     if pattern.outputs and len(used_outputs) > len(pattern.outputs):
@@ -406,20 +513,133 @@ def _match_pattern(fgraph, node, user: _UserGraph, pattern: Pattern) -> Match | 
         return Rejection(f"the step has none of the operations {', '.join(pattern.needs_ops)}", 0.0)
     best = None
     for variant in range(len(pattern.step)):
-        ref = _ref_graph(pattern, variant, user.dtype)
+        if variant in known:  # its states or stop rule differ: whatever the outputs and outer graph, no match
+            best = closest(best, known[variant])
+            continue
+        ref = _reference_graph(pattern, variant, user.dtype)
         if isinstance(ref, Rejection):  # the variant cannot be built here (e.g. needs a library not imported)
             best = closest(best, ref)
             continue
-        envs = _LoopUnification(pattern, ref, user, used_outputs if pattern.outputs else ())
-        env = next(iter(envs), None)
-        if env is None:
-            best = closest(best, envs.rejection)
+        env = _first_env(node, user, pattern, variant, ref, tuple(used_outputs) if pattern.outputs else ())
+        if isinstance(env, Rejection):
+            best = closest(best, env)
             continue
         result = _check_outer(fgraph, node, user, pattern, env, variant, ref)
         if isinstance(result, Match):
             return result
         best = closest(best, result)
     return best
+
+
+def _user(node, lift: bool) -> _UserGraph:
+    """:func:`~iterops.fusion.canonical._user_graph`, its canonical step read from the disk cache
+    (:mod:`iterops.fusion.cache`) when this process has not canonicalized an equal step."""
+    op = node.op
+    if (op, lift) not in _USER_CACHE and (key := _disk.step_key(op)) is not None:
+        core = _disk.load("user", f"{key}|{lift}")
+        if core is not None:
+            _USER_CACHE[(op, lift)] = core
+        else:
+            user = _user_graph(node, lift=lift)
+            _disk.store("user", f"{key}|{lift}", _USER_CACHE.get((op, lift)))
+            return user
+    return _user_graph(node, lift=lift)
+
+
+#: (Scan op, pattern name, lift, variant, used outputs) -> the first unification of the step with the
+#: variant, as :func:`_portable_env` (or the Rejection when none unifies)
+_UNIFIED: OrderedDict = OrderedDict()
+
+
+def _first_env(node, user, pattern, variant, ref, used_outputs):
+    """The first environment unifying ``user``'s step with ``pattern``'s ``variant`` (states, stop rule and the
+    ``used_outputs``), else the Rejection; memoized per step in this process and on disk (a pure function of
+    the step: what the outer graph decides is :func:`_check_outer`'s, run per call)."""
+    lift = bool(user.lifted)
+    mem = (node.op, pattern.name, lift, variant, used_outputs)
+    rec, key = _UNIFIED.get(mem), None
+    if rec is None and _persistent(pattern) and (step := _disk.step_key(node.op)) is not None:
+        key = f"{step}|{pattern.name}|{lift}|{variant}|{used_outputs}"
+        rec = _disk.load("unified", key)
+    if rec is None:
+        envs = _LoopUnification(pattern, ref, user, used_outputs)
+        env = next(iter(envs), None)
+        rec = envs.rejection if env is None else _portable_env(env, user, ref)
+        if rec is None:  # bindings that only this process's objects can say: not memoized
+            return env
+        _disk.store("unified", key, rec)
+        _UNIFIED[mem] = rec
+        while len(_UNIFIED) > 256:
+            _UNIFIED.popitem(last=False)
+        if env is not None:
+            return env
+    if isinstance(rec, Rejection):
+        return rec
+    ref_vars, ref_digest = _ref_index(ref)
+    roles, users, pending, digest = rec
+    if digest != ref_digest:  # another build of the reference step: unify again
+        _UNIFIED.pop(mem, None)
+        envs = _LoopUnification(pattern, ref, user, used_outputs)
+        return next(iter(envs), None) or envs.rejection
+    inputs = [*user.inner_inputs, *user.lifted]
+    dec = {"in": inputs.__getitem__, "out": int, "const": lambda c: c, "ref": ref_vars.__getitem__}
+    pending = tuple(item if item[0] == "dim" else
+                    (item[0], dec["ref"](item[1]), item[2], frozenset(map(dec["ref"], item[3]))) for item in pending)
+    return _Env({name: dec[kind](x) for name, (kind, x) in roles.items()},
+                {dec[kind](x): name for (kind, x), name in users}, pending)
+
+
+#: id of a reference graph -> (the graph, its variables in a fixed order, a digest of its text)
+_REF_INDEX: dict = {}
+
+
+def _ref_index(ref):
+    """The variables of the reference graph ``ref`` in topological order, and a digest of its structure
+    (a memoized unification names reference variables by their position: valid for an equal graph only)."""
+    hit = _REF_INDEX.get(id(ref))
+    if hit is None or hit[0] is not ref:
+        inputs = list(ref.role_of)
+        outputs = [*ref.updates, *ref.outputs, *([ref.cond] if ref.cond is not None else [])]
+        order = [*inputs, *(o for n in io_toposort(inputs, outputs) for o in n.outputs)]
+        try:
+            text = _disk._graph_text(inputs, outputs)
+        except Exception:  # noqa: BLE001  (no deterministic text: never equal to a stored digest)
+            text = repr(id(ref))
+        hit = _REF_INDEX[id(ref)] = (ref, order, hashlib.sha256(text.encode()).hexdigest())
+    return hit[1], hit[2]
+
+
+def _portable_env(env, user, ref):
+    """``env`` with each bound user variable as its position in ``user``'s inputs (``("in", i)``), a per-step
+    output index (``("out", j)``) or a constant (``("const", c)``), and the reference variables of pending
+    constraints as their positions in :func:`_ref_index`; None if some variable is none of these (a node the
+    unifier made on the fly)."""
+    index = {v: i for i, v in enumerate([*user.inner_inputs, *user.lifted])}
+    ref_vars, ref_digest = _ref_index(ref)
+    ref_pos = {v: i for i, v in enumerate(ref_vars)}
+
+    def enc(u):
+        if isinstance(u, int):
+            return "out", u
+        if u in index:
+            return "in", index[u]
+        if _is_constant(u):
+            return "const", u
+        return None
+
+    roles = {name: enc(u) for name, u in env.roles.items()}
+    users = [(enc(u), name) for u, name in env.users.items()]
+    pending = []
+    for item in env.pending:
+        if item[0] == "dim":
+            pending.append(item)
+        elif item[1] in ref_pos and all(x in ref_pos for x in item[3]):
+            pending.append((item[0], ref_pos[item[1]], item[2], tuple(ref_pos[x] for x in item[3])))
+        else:
+            return None
+    if any(e is None for e in roles.values()) or any(e is None for e, _ in users):
+        return None
+    return roles, users, tuple(pending), ref_digest
 
 
 def _op_names(user) -> set:
@@ -519,3 +739,11 @@ def _check_outer(fgraph, node, user, pattern, env, variant, ref) -> Match | Reje
         if reason:
             return Rejection(reason, score + 1)
     return m
+
+
+def forget() -> None:
+    """Forget what this process learnt about steps and reference graphs (the in-process memos of the matcher,
+    the unifier and the canonicalizer); the disk cache (:mod:`iterops.fusion.cache`) is kept.  For tests and
+    benchmarks that measure a new process's work without starting one."""
+    for memo in (_INNER, _FACTS, _UNIFIED, _REF_INDEX, _UNBUILDABLE, _REF_CACHE, _USER_CACHE, _disk._STEP_KEYS):
+        memo.clear()
