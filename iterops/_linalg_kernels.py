@@ -14,6 +14,8 @@ helper writes into a preallocated ``out`` so that a kernel's loop allocates noth
 * :func:`cholesky`, :func:`cho_solve_vec`, :func:`cho_inverse` -- a lower Cholesky factor that
   reports failure as a value, and solves with it;
 * :func:`copy_into` -- ``out[...] = src`` by loops;
+* :func:`converged` -- the scale-free stop test of the covariance-like iterations (Kalman steady state, DARE
+  doubling): every entry's change relative to its own scale;
 * :func:`borrowed`, :func:`carve` -- work arrays that cost nothing to pass to a function (the latter
   carved out of one allocation).
 
@@ -34,7 +36,7 @@ from iterops._fused import data_ptr
 
 __all__ = [
     "SMALL", "FLOAT_MAX", "matmul", "mm", "congruence", "sym_inplace", "sym_into", "sym_finite", "cholesky",
-    "cho_solve_vec", "cho_inverse", "copy_into", "transpose_into", "transpose_finite", "borrowed", "flat", "carve",
+    "cho_solve_vec", "cho_inverse", "copy_into", "converged", "transpose_into", "transpose_finite", "borrowed", "flat", "carve",
 ]
 
 SMALL = 10  #: matrix products of more than SMALL**3 multiply-adds go to BLAS
@@ -336,3 +338,39 @@ def all_finite(X):
             s += X[i, j] * 0.0
         total += s
     return total == 0.0
+
+
+@numba.njit(cache=True, inline="always")
+def converged(new, old, tol, whole):
+    """Stop test of an iteration on symmetric positive semi-definite matrices (a Kalman filter's predicted
+    covariance, the DARE's doubling iterate): True when every entry moved by at most ``tol`` relative to
+    its own scale, the geometric mean of its two variances::
+
+        |new_ii - old_ii| <= tol |new_ii|,   |new_ij - old_ij| <= tol sqrt|new_ii| sqrt|new_jj|
+
+    over the upper triangle of ``old`` (every entry when ``whole``: an ``old`` that need not be symmetric).
+    The diagonal is tested first (no square root): far from convergence the first variance fails and the
+    test costs one comparison.  A zero variance demands an unchanged row; NaN fails.  (The magnitudes of
+    the diagonal: an indefinite iterate, such as the DARE's for an indefinite Q, gets the same test.)
+
+    Scale-free: rescaling the states by a diagonal ``D`` (``new -> D new D``, ``old -> D old D``) multiplies
+    both sides of every inequality by ``|d_i d_j|``, so the test decides the same for every scaling of
+    the states.  In the scaling where every nonzero variance of ``new`` is 1, ``new`` is a correlation
+    matrix (entries at most 1 in magnitude, Cauchy-Schwarz) and the test is ``max |new - old| <= tol``:
+    an absolute bound on every entry in units where the matrix is of order one, which is what
+    ``tol`` = a few dozen ulps means.  A test relative to the largest entry (``max|new - old| <= tol
+    max|new|``) is not scale-free: a state whose variance is ``1e-16`` of another's passes it whatever its
+    own change.  It is at least as strict as that test (``sqrt(new_ii new_jj) <= max|new|``)."""
+    m = new.shape[0]
+    for i in range(m):
+        if not abs(new[i, i] - old[i, i]) <= tol * abs(new[i, i]):
+            return False
+    for i in range(m):
+        si = tol * np.sqrt(abs(new[i, i]))
+        for j in range(i + 1, m):
+            b = si * np.sqrt(new[j, j])
+            if not abs(new[i, j] - old[i, j]) <= b:
+                return False
+            if whole and not abs(new[i, j] - old[j, i]) <= b:
+                return False
+    return True

@@ -191,7 +191,12 @@ def test_sparse_congruence_matches_numpy(rows, scale, change, test, seed):
     finite, converged = _sparse_congruence(T, idx, W, RQR, P_new, P_old, test)
     with np.errstate(over="ignore", invalid="ignore"):
         assert finite == bool(np.isfinite(P_new).all())
-        expected = test and finite and bool(np.max(np.abs(P_new - P_old)) <= 1e-14 * np.max(np.abs(P_new)))
+        # the per-entry steady-state test: |dP_ij| <= 1e-14 sqrt|P_ii| sqrt|P_jj| (the diagonal: 1e-14 |P_ii|)
+        d = np.abs(np.diag(P_new))
+        bound = (1e-14 * np.sqrt(d))[:, None] * np.sqrt(d)[None, :]
+        np.fill_diagonal(bound, 1e-14 * d)
+        upper = np.triu_indices(m)
+        expected = test and finite and bool(np.all((np.abs(P_new - P_old) <= bound)[upper]))
         assert converged == expected
         np.testing.assert_array_equal(P_new, P_new.T)
         if finite:
@@ -522,8 +527,11 @@ def test_structured_verify_grad(tv):
 @pytest.mark.parametrize("jitter", [1e-8, 0.0])
 def test_seasonal_sarimax_steady_gradient_matches_autodiff_of_pymc_extras(jitter):
     """The benchmark's SARIMAX(2,0,1)x(1,0,1,12) (m = 14 > SMALL, p = 1: the adjoint's thin products take
-    loops), its covariance steady from about step 120 (the reverse's steady cache is built when a stretch
-    is entered), a stretch left at a missing observation; stationary P0 (scipy)."""
+    loops), a missing observation; stationary P0 (scipy).  Its covariance does not reach a steady state: the
+    variances of the lag states that neither the AR nor the MA terms reach decay geometrically to 0 (~1e-72
+    after 300 steps) and never converge on their own scale (the per-entry steady-state test,
+    :func:`iterops.ts._kalman_steps.steady`), so every step runs the full reverse recursion (the steady
+    stretches' reverse: ``test_kalman_steady.py``)."""
     import scipy.linalg
 
     rng = np.random.default_rng(18)
@@ -539,6 +547,5 @@ def test_seasonal_sarimax_steady_gradient_matches_autodiff_of_pymc_extras(jitter
     fn_ours, fn_theirs = gradient_fns(jitter)
     out_ours = fn_ours(*model_args(model), *weights)
     out_theirs = fn_theirs(*model_args(model), *weights)
-    Pp = out_ours.pop()
-    assert sum(np.array_equal(Pp[t], Pp[t - 1]) for t in range(1, n + 1)) >= 60  # a steady stretch ran
+    out_ours.pop()  # predicted_cov: no steady stretch (see the docstring)
     assert_loglik_grads_close(out_ours, out_theirs)

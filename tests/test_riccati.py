@@ -176,3 +176,29 @@ def test_graph_time_validation():
 def test_zero_size():
     x = solve_discrete_are(np.zeros((0, 0)), np.zeros((0, 2)), np.zeros((0, 0)), np.eye(2)).eval()
     assert x.shape == (0, 0)
+
+
+def assert_entries_close(x, ref, rtol):
+    """Every entry within ``rtol`` of its own scale ``sqrt(|ref_ii ref_jj|)`` (scale-free)."""
+    d = np.sqrt(np.abs(np.diag(ref)))
+    err = np.abs(x - ref) / np.outer(d, d)
+    assert np.max(err) <= rtol, f"{np.max(err):.3g} relative to the entry's scale"
+
+
+def test_multiscale_solution_is_converged_in_every_entry(solver):
+    """X ~ diag(1e8, 1e-8): the small entry converges slowly (closed loop 0.999), the large one at once.  A
+    stop test relative to the largest entry stopped when the large entry had converged, returning the small
+    one unconverged; every entry against scipy on its own scale."""
+    a, b, q, r = np.diag([0.5, 0.999]), np.eye(2), np.diag([1e8, 1e-8]), np.eye(2)
+    assert_entries_close(solver(a, b, q, r), sla.solve_discrete_are(a, b, q, r), 1e-9)
+
+
+@given(seed=st.integers(0, 2**32 - 1), log_d=st.lists(st.floats(-6.0, 6.0), min_size=4, max_size=4))
+def test_rescaled_states_give_the_rescaled_solution(solver, seed, log_d):
+    """States rescaled by D (``A -> D A D^-1``, ``B -> D B``, ``Q -> D^-1 Q D^-1``): the solution is
+    ``D^-1 X D^-1`` with X scipy's on the unscaled system, entry by entry on its own scale."""
+    a, b, q, r = system(np.random.default_rng(seed), 4, 2, 0.5)
+    D = 10.0 ** np.array(log_d)
+    Di = 1.0 / D
+    x = solver(D[:, None] * a * Di, D[:, None] * b, Di[:, None] * q * Di, r)
+    assert_entries_close(x, Di[:, None] * sla.solve_discrete_are(a, b, q, r) * Di, 1e-8)

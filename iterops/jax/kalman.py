@@ -34,7 +34,7 @@ Differences from the Numba kernel:
   are broadcast products (:func:`iterops.jax._common.mm`): inside a ``lax.scan`` on CPU a LAPACK call or
   a ``dot`` costs more than a small matrix's arithmetic.
 * No steady-state shortcut: the full recursion runs, which changes results only at the kernel's
-  freezing tolerance, ``1e-14`` relative (why: ``benchmarks/RESULTS.md``, JAX section).
+  freezing tolerance, ``1e-14`` per entry relative to its own scale (why: ``benchmarks/RESULTS.md``, JAX section).
 * Symmetric matrices are computed on the upper triangle and mirrored, as in the kernels.
 
 Gradient (``KalmanFilterGrad`` and ``jax.grad``, one ``jax.custom_vjp``): the hand-written adjoint of

@@ -23,8 +23,11 @@ equations", and Lin & Xu 2006 for the discrete case), with ``A_0 = A``,
     H_{k+1} = H_k + A_k^T H_k W_k^{-1} A_k
 
 ``H_k`` converges quadratically to ``X`` (the error falls like
-``rho(A - B K)^(2^(k+1))``), ``A_k`` to zero.  It stops when
-``max|H_{k+1} - H_k| <= tol * max|H_{k+1}|``.  The iteration is the Riccati analogue of
+``rho(A - B K)^(2^(k+1))``), ``A_k`` to zero.  It stops when every entry has converged relative to
+its own scale, ``|H_{k+1} - H_k|_ij <= tol sqrt(|H_{k+1,ii} H_{k+1,jj}|)``
+(:func:`iterops._linalg_kernels.converged`: scale-free, so in a solution like ``diag(1e8, 1e-8)`` the small
+entries are converged too, not only the largest; a zero variance needs an exactly unchanged row, which
+``A_k -> 0`` reaches).  The iteration is the Riccati analogue of
 Smith's doubling for the Lyapunov equation (:mod:`iterops.linalg.lyapunov`), which is
 the case ``B = 0`` (then ``X = A^T X A + Q``).
 
@@ -66,7 +69,7 @@ from iterops._fused import (
     F64P, FusedOp, OpaqueKernel, apply_batched, data_ptr, entry_point, keep_alive, register_fused_op,
 )
 from iterops._implicit import implicit_pullback, implicit_pushforward
-from iterops._linalg_kernels import copy_into, mm, sym_inplace, sym_into
+from iterops._linalg_kernels import converged, copy_into, mm, sym_inplace, sym_into
 from iterops._validate import as_tensor, check_dim_match, check_shape, check_square, float_dtype
 from iterops.linalg.lyapunov import _all_finite, _ct, solve_discrete_lyapunov
 
@@ -171,12 +174,9 @@ def _sda(A, G, H, tol, max_iter):
         Ak, Gk, H_new, ok = _sda_step(Ak, Gk, Hk)
         if not ok or not _all_finite(H_new):
             return H_new, False
-        change = 0.0  # max |H_new - H_k| (both finite)
-        for i in range(n):
-            for j in range(n):
-                change = max(change, np.abs(H_new[i, j] - Hk[i, j]))
+        done = converged(H_new, Hk, tol, False)  # both symmetric and finite
         Hk = H_new
-        if change <= tol * _max_abs(Hk):
+        if done:
             return Hk, True
     return Hk, False
 
@@ -370,7 +370,8 @@ def solve_discrete_are(A, B, Q, R, *, tol: float | None = None, max_iter: int = 
         Symmetric (its symmetric part is used), non-singular, typically positive definite.
         Leading dimensions of all four broadcast.  Real float or integer dtypes.
     tol : float, optional
-        Relative stopping tolerance of the doubling (``max|H_{k+1} - H_k| <= tol max|H_{k+1}|``);
+        Relative stopping tolerance of the doubling, per entry on its own scale
+        (``|H_{k+1} - H_k|_ij <= tol sqrt(|H_{k+1,ii} H_{k+1,jj}|)``);
         ``1e2 * eps`` by default.
     max_iter : int
         Maximum doubling steps (each doubles the horizon summed).

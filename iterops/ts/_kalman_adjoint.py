@@ -323,7 +323,7 @@ class _SteadySums(NamedTuple):
     Ms: np.ndarray  #: (m, p) sum of Mo_bar = a_f_bar w^T
 
 
-_WINDOW_TOL = 1e-18  # ||L^K||_F^2 below which a steady stretch's far steps skip the covariance recursion
+_WINDOW_TOL = 1e-18  # ||S^-1 L^K S||_F^2 (S: the states' scales) below which a steady stretch's far steps skip the covariance recursion
 _MAX_DOUBLINGS = 20
 _MAX_JITTER_COUPLING = 1e-3  # bound on the jitter's j^2 term in the stretch's Lyapunov solve (else: recursion)
 _MAX_JITTER_SWEEPS = 12
@@ -352,7 +352,7 @@ def _steady_adjoint_run(t, tape, system, options, cot, grad, state, cache, sx, w
     the sums of ``X``, ``Mo_bar`` and ``sym(Pf_bar_out)``; :func:`_steady_flush` applies them once.
     Telescoping the recursion gives ``Gs = Phi(Gs) + (sum C + E - P_bar_s0)`` (E = entering
     cotangent), one Lyapunov equation (:func:`_steady_gs`), so on a long stretch only the ``K`` steps
-    nearest ``s0`` (where ``||Lss^K||_F^2 <= 1e-18``) run the O(m^3) recursion, for ``P_bar_s0``; the
+    nearest ``s0`` (where ``||S^-1 Lss^K S||_F^2 <= 1e-18``, S the states' scales) run the O(m^3) recursion, for ``P_bar_s0``; the
     others do only the O(m p + m^2) mean path (a, v, y, d, c and the a_f-dependent T and Z terms) and
     the sums.  Short stretches, a closed loop without that decay, or a jitter whose ``j^2`` term is
     not small (:func:`_steady_window`) run the recursion on every step.
@@ -364,7 +364,7 @@ def _steady_adjoint_run(t, tape, system, options, cot, grad, state, cache, sx, w
     while s0 >= 0 and fully_observed(y, s0, options) and _row_same(Pp, s0, cache.P):
         s0 -= 1
     s0 += 1
-    window = _steady_window(cache, t - s0 + 1)
+    window = _steady_window(cache, t - s0 + 1, Pp[0])
     exact = window == 0  # full recursion on every step, Gs summed directly
     stretch = _Stretch(t, s0, window)
     sw, sw_own = _steady_work(m, p)
@@ -422,7 +422,7 @@ def _steady_reverse_steps(stretch, tape, system, cot, grad, state, cache, sw, su
     for s in range(t, s0 - 1, -1):
         recursion = exact or s < s0 + window
         if recursion and not exact and s == s0 + window - 1:
-            Pbar[:, :] = 0.0  # far steps' contribution to P_bar_s0 is below ||Lss^K||^2: dropped
+            Pbar[:, :] = 0.0  # far steps' contribution to P_bar_s0 is below ||S^-1 Lss^K S||^2: dropped
         ic, idd = ti(c, s), ti(d, s)
         innovation(y, d, Zt, ap, s, L, v, w)  # recompute v, w = F^{-1} v and a_f = a + K v
         for i in range(m):
@@ -599,24 +599,35 @@ def _steady_flush(system, gsystem, cache, sums, Grq, sx, want_T):
 
 
 @numba.njit(cache=True, inline="always")
-def _steady_window(cache, n_steps):
+def _steady_window(cache, n_steps, P0):
     """Number ``K`` (a power of two) of steps nearest a stretch's start that run the covariance
-    recursion: the first with ``||Lss^K||_F^2 <= _WINDOW_TOL``.  0 (the recursion on every step)
-    if that needs ``K >= n_steps`` (short stretch, or ``Lss`` not stable enough), or if the jitter's
-    ``j^2`` term of ``Phi`` is not small against the Lyapunov solve's gain
-    (``j^2 ||T N||_F^2 prod_k (1 + ||Lss^(2^k)||_F^2) > _MAX_JITTER_COUPLING``: that bounds the
-    contraction of the sweeps of :func:`_steady_gs`)."""
+    recursion: the first with ``||S^-1 Lss^K S||_F^2 <= _WINDOW_TOL``, ``S = diag(s)``,
+    ``s_i^2 = P_ii + P0_ii`` (the stretch's predicted variance plus the initial one).  0 (the recursion on
+    every step) if that needs ``K >= n_steps`` (short stretch, or ``Lss`` not stable enough), if some
+    ``s_i`` is 0 or not finite, or if the jitter's ``j^2`` term of ``Phi`` is not small against the
+    Lyapunov solve's gain (``j^2 ||S^-1 T N S||_F^2 prod_k (1 + ||S^-1 Lss^(2^k) S||_F^2) > _MAX_JITTER_COUPLING``:
+    that bounds the contraction of the sweeps of :func:`_steady_gs`).
+
+    Scale-free: rescaling the states by a diagonal D maps ``Lss -> D Lss D^-1``, ``T N -> D T N D^-1`` and
+    ``s -> |D| s``, so the weighted norms, hence ``K``, are the same for every scaling.  The dropped part of
+    ``P_bar_s0`` is ``Phi^K`` of the cotangent entering the window: in the scaling where ``s = 1`` (states of
+    comparable variance) it is below ``_WINDOW_TOL`` relative to that cotangent, entry by entry after
+    scaling back (``P_bar -> D^-1 P_bar D^-1``).  An unweighted norm would let the entries of a state
+    orders of magnitude smaller than another hide a slow decay (or demand needless doublings)."""
     m = cache.Lss.shape[0]
+    sc = np.empty(m)
+    for i in range(m):
+        v = cache.P[i, i] + P0[i, i]
+        if not (v > 0.0 and v <= 1.7e308):
+            return 0
+        sc[i] = np.sqrt(v)
     Pk = cache.Lss.copy()
     Pn = np.empty((m, m))
     gain = 1.0
     for k in range(_MAX_DOUBLINGS + 1):
         if (1 << k) >= n_steps:
             return 0
-        nrm = 0.0
-        for i in range(m):
-            for j in range(m):
-                nrm += Pk[i, j] * Pk[i, j]
+        nrm = _weighted_norm2(Pk, sc)
         if not np.isfinite(nrm):
             return 0
         if nrm <= _WINDOW_TOL:
@@ -627,13 +638,21 @@ def _steady_window(cache, n_steps):
         matmul(Pk, Pk, Pn)
         copy_into(Pn, Pk)
     if cache.j != 0.0:
-        tn = 0.0
-        for i in range(m):
-            for j in range(m):
-                tn += cache.TN[i, j] * cache.TN[i, j]
-        if not (cache.j * cache.j * tn * gain <= _MAX_JITTER_COUPLING):
+        if not (cache.j * cache.j * _weighted_norm2(cache.TN, sc) * gain <= _MAX_JITTER_COUPLING):
             return 0
     return 1 << k
+
+
+@numba.njit(cache=True, inline="always")
+def _weighted_norm2(X, sc):
+    """``||S^-1 X S||_F^2`` for ``S = diag(sc)``."""
+    m = X.shape[0]
+    nrm = 0.0
+    for i in range(m):
+        for j in range(m):
+            x = X[i, j] * (sc[j] / sc[i])
+            nrm += x * x
+    return nrm
 
 
 @numba.njit(cache=True, inline="always")
@@ -641,8 +660,8 @@ def _steady_gs(cache, rhs):
     """Solve ``Gs = Lss^T Gs Lss - j^2 (T N)^T Gs (T N) + rhs`` (:func:`_steady_adjoint_run`):
     the Lyapunov equation of ``Lss^T`` by Smith's doubling (:func:`iterops.linalg.lyapunov._doubling`,
     elementwise relative tolerance of machine precision), and for ``j != 0`` fixed-point sweeps on
-    the ``j^2`` term until they change no entry by more than machine precision relative to the
-    largest (they contract by :func:`_steady_window`'s bound).  NaN if doubling does not converge."""
+    the ``j^2`` term until they change no entry by more than machine precision relative to itself, or
+    ``_MAX_JITTER_SWEEPS`` (they contract by :func:`_steady_window`'s bound).  NaN if doubling does not converge."""
     m = rhs.shape[0]
     eps = np.finfo(np.float64).eps
     LT = np.ascontiguousarray(cache.Lss.T)
@@ -661,13 +680,11 @@ def _steady_gs(cache, rhs):
         Gn, ok = _doubling(LT, X, eps, 100)
         if not ok:
             return np.full((m, m), np.nan)
-        diff = 0.0
-        scale = 0.0
+        done = True  # each entry relative to itself (as the doubling's stop): scale-free
         for i in range(m):
             for j in range(m):
-                diff = max(diff, abs(Gn[i, j] - Gs[i, j]))
-                scale = max(scale, abs(Gn[i, j]))
+                done &= abs(Gn[i, j] - Gs[i, j]) <= eps * abs(Gn[i, j])
         Gs = Gn
-        if diff <= eps * scale:
+        if done:
             break
     return Gs

@@ -17,7 +17,8 @@ from iterops._fused import keep_alive
 from iterops._linalg_kernels import all_finite, carve, copy_into, sym_finite, sym_into
 from iterops.ts._kalman_steps import (
     AUTO, LOG_2PI, MULTIVARIATE, UNIVARIATE, _innovation_cov, diagonal, find_structure, fully_observed, innovation,
-    loglik, observe, predict_cov, predict_mean, prefers_univariate, rqr, static_cov, static_rq, structure,
+    loglik, observe, predict_cov, predict_mean, prefers_univariate, rqr, static_cov, static_rq, steady as steady_test,
+    structure,
     system_at, ti, update_cov, update_mean, update_one, update_univariate, update_work, varies_over_time,
 )
 
@@ -67,8 +68,10 @@ def kalman_filter_kernel(y, a0, P0, system, options, univariate=MULTIVARIATE, ne
     whose Cholesky factor and gain the steady-state loop reuses.
 
     Steady state (as statsmodels): when T, Z, R, H, Q are static, every component
-    is observed and the predicted covariance has converged
-    (``max|P_{t+1} - P_t| <= 1e-14 max|P_{t+1}|``), the covariance recursion is
+    is observed and the predicted covariance has converged, entry by entry relative to each entry's own
+    scale (:func:`~iterops.ts._kalman_steps.steady`:
+    ``|P_{t+1,ij} - P_{t,ij}| <= 1e-14 sqrt(P_{t+1,ii} P_{t+1,jj})``, invariant under a rescaling of the
+    states, so a small-scale state still converging is not frozen with a large one), the covariance recursion is
     frozen at ``P_{t+1}``: one more full update computes F, K, P_f from it, and
     later fully observed steps reuse them (only the mean recursion runs, in
     :func:`_steady_run`).  The test does not involve the jitter: the jittered recursion is a
@@ -165,7 +168,7 @@ def filter_into(y, a0, P0, system, options, out, univariate, need_F, need_P):
         test = static and k == p
         fin, steady = predict_cov(Pf, st.T, RQR, Pp[t + 1], W, sx, pf, Pp[t], test and t > 0)
         if test and t == 0:  # P0 need not be symmetric: the test on whole matrices
-            steady = _converged(Pp[1], Pp[0])
+            steady = steady_test(Pp[1], Pp[0], True)
         p_fin = 1 if fin else 0
         t += 1
     keep_alive((ws_own, sx_own, buf))
@@ -183,18 +186,6 @@ def _fail_from(out, t):
     out.predicted_cov[t + 1:] = np.nan
     out.forecast_error[t + 1:] = np.nan
     out.forecast_error_cov[t + 1:] = np.nan
-
-
-@numba.njit(cache=True)
-def _converged(P_new, P_old):
-    """Steady-state test: ``max|P_new - P_old| <= 1e-14 max|P_new|``."""
-    diff = 0.0
-    scale = 0.0
-    for i in range(P_new.shape[0]):
-        for j in range(P_new.shape[1]):
-            diff = max(diff, abs(P_new[i, j] - P_old[i, j]))
-            scale = max(scale, abs(P_new[i, j]))
-    return diff <= 1e-14 * scale
 
 
 @numba.njit(cache=True)

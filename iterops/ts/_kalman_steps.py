@@ -38,8 +38,8 @@ One observable (p = 1, the structural and SARIMAX models):
 * :func:`update_vjp_one` is its reverse with the loops merged (two passes over m x m, three with Z's
   cotangent, instead of ten; where Z skips its zeros its rank terms touch only their rows and columns);
 * whether P_t and P_f are finite (for the zero-skipping products) is carried from the pass that wrote
-  them; the pass that writes P' (adding R Q R^T, mirroring) also tests it and takes its scale, and the
-  steady-state test after it stops at the first entry over the tolerance;
+  them; the pass that writes P' (adding R Q R^T, mirroring) also tests it, and the steady-state test after
+  it (:func:`steady`, per entry, scale-free) stops at the first entry over the tolerance;
 * of the two products with T in a prediction (and in its reverse), only the first is tested for finiteness;
   the forward's second product reads the first's columns in place (:func:`_sparse_congruence`, fused with
   the pass that adds R Q R^T), the reverse's a transposed copy that tests it
@@ -67,7 +67,7 @@ import numba
 import numpy as np
 
 from iterops._linalg_kernels import (
-    FLOAT_MAX, SMALL, all_finite, borrowed, carve, cho_solve_vec, cholesky, copy_into, flat, matmul, nonzero_index,
+    FLOAT_MAX, SMALL, all_finite, borrowed, carve, cho_solve_vec, cholesky, converged, copy_into, flat, matmul, nonzero_index,
     spmm, spmm_rows, sym_finite, sym_inplace, sym_into, transpose_finite,
 )
 
@@ -78,7 +78,7 @@ __all__ = [
     "observe_vjp", "update_cov", "update_one", "gain_one", "update_vjp_one", "MULTIVARIATE", "AUTO", "UNIVARIATE",
     "prefers_univariate", "diagonal",
     "update_univariate", "update_mean", "update_vjp", "loglik", "loglik_vjp", "predict_mean", "rqr",
-    "predict_cov", "predict_cov_vjp", "rq_vjp", "predict_vjp", "closed_loop",
+    "predict_cov", "STEADY_TOL", "steady", "predict_cov_vjp", "rq_vjp", "predict_vjp", "closed_loop",
 ]
 
 LOG_2PI = float(np.log(2.0 * np.pi))
@@ -818,8 +818,8 @@ def predict_cov(Pf, Tt, RQR, P_next, W, sx, pf_finite, P_old, test):
     :func:`~iterops._linalg_kernels.spmm_rows`' sums of scaled rows, and the upper triangle of ``T W^T`` plus
     ``R sym(Q) R^T``, mirrored, is :func:`_sparse_congruence`'s one pass (bitwise the terms, in the order, of
     the product with W's transposed copy it replaces).
-    Returns ``(P' finite, converged)``: ``converged`` is the steady-state test
-    ``max|P' - P_old| <= 1e-14 max|P'|`` against a symmetric ``P_old`` when ``test`` (else False)."""
+    Returns ``(P' finite, converged)``: ``converged`` is the steady-state test :func:`steady` against a
+    symmetric ``P_old`` when ``test`` (else False)."""
     m = Pf.shape[0]
     fin = all_finite(Pf) if pf_finite < 0 else pf_finite == 1
     if sx.use[0] and fin:
@@ -848,17 +848,15 @@ def predict_cov(Pf, Tt, RQR, P_next, W, sx, pf_finite, P_old, test):
 @numba.njit(cache=True)
 def _sparse_congruence(Tt, idx, W, RQR, P_new, P_old, test):
     """``P_new = T W^T + RQR`` on the upper triangle, mirrored, for ``W = T P_f`` (finite), over T's nonzeros
-    (``idx``); then :func:`_triangle_test`'s finiteness, scale and steady-state test, in the same pass.
+    (``idx``); then :func:`_triangle_test`'s finiteness and steady-state test, the finiteness in the same pass.
 
     Each entry sums the terms of :func:`~iterops._linalg_kernels.spmm_rows` in its order (so the result is
     bitwise that of the product of T with W's transpose), reading W's columns in place: a row of T with one
     nonzero (shift and identity rows) makes a row of P' a scaled column of W, no transposed copy."""
     m = W.shape[0]
     finite = True
-    scale = 0.0
     for j in range(m):
         c = idx[j, 0]
-        rscale = 0.0
         if c == 1:
             b = idx[j, 1]
             t = Tt[j, b]
@@ -867,7 +865,6 @@ def _sparse_congruence(Tt, idx, W, RQR, P_new, P_old, test):
                 P_new[j, i] = x
                 P_new[i, j] = x
                 finite &= abs(x) <= FLOAT_MAX
-                rscale = max(rscale, abs(x))
         else:
             for i in range(j, m):
                 s = 0.0
@@ -881,43 +878,52 @@ def _sparse_congruence(Tt, idx, W, RQR, P_new, P_old, test):
                 P_new[j, i] = x
                 P_new[i, j] = x
                 finite &= abs(x) <= FLOAT_MAX
-                rscale = max(rscale, abs(x))
-        scale = max(scale, rscale)
-    return finite, test and finite and _steady(P_new, P_old, scale)
+    return finite, test and finite and steady(P_new, P_old, False)
 
 
 @numba.njit(cache=True)
 def _triangle_test(P_new, P_old, test):
-    """``(P_new finite, max|P_new - P_old| <= 1e-14 max|P_new|)`` for the symmetric P_new and P_old (the
-    steady-state test; False unless ``test``, or when P_new is not finite: the next step then fails whatever
-    the test says).
-
-    One pass over the upper triangle for the finiteness and the scale (maxima by rows: short dependency
-    chains), then the differences until the first that fails (far from the steady state, the first entry)."""
+    """``(P_new finite, steady(P_new, P_old))`` for the symmetric P_new and P_old (:func:`steady`; False
+    unless ``test``, or when P_new is not finite: the next step then fails whatever the test says).
+    The finiteness over the upper triangle, by rows (short dependency chains)."""
     m = P_new.shape[0]
     finite = True
-    scale = 0.0
     for i in range(m):
-        rscale = 0.0
         for j in range(i, m):
-            x = P_new[i, j]
-            finite &= abs(x) <= FLOAT_MAX
-            rscale = max(rscale, abs(x))
-        scale = max(scale, rscale)
-    return finite, test and finite and _steady(P_new, P_old, scale)
+            finite &= abs(P_new[i, j]) <= FLOAT_MAX
+    return finite, test and finite and steady(P_new, P_old, False)
+
+
+#: tolerance of the steady-state test (:func:`steady`), per entry, relative to the entry's own scale
+STEADY_TOL = 1e-14
 
 
 @numba.njit(cache=True, inline="always")
-def _steady(P_new, P_old, scale):
-    """``max|P_new - P_old| <= 1e-14 scale`` over the upper triangles, stopping at the first entry over it (far
-    from the steady state, the first entry)."""
-    m = P_new.shape[0]
-    tol = 1e-14 * scale
-    for i in range(m):
-        for j in range(i, m):
-            if not abs(P_new[i, j] - P_old[i, j]) <= tol:
-                return False
-    return True
+def steady(P_new, P_old, whole):
+    """The filter's steady-state test, the one used on every path: the predicted covariance has converged
+    when :func:`~iterops._linalg_kernels.converged` (``tol =`` :data:`STEADY_TOL`) holds for ``P_new = P_{t+1}``
+    against ``P_old = P_t``::
+
+        |P_{t+1,ij} - P_{t,ij}| <= 1e-14 sqrt(P_{t+1,ii} P_{t+1,jj})    for every i, j
+
+    (``whole``: every entry of a ``P_old`` that need not be symmetric, P0; else the upper triangles).
+
+    Why freezing the recursion at ``P_{t+1}`` changes no result beyond rounding, whatever the scales of the
+    states: rescaling the states (``T -> D T D^-1``, ``Z -> Z D^-1``, ``R -> D R``, ``a0 -> D a0``,
+    ``P0 -> D P0 D``, D diagonal) rescales every ``P_t -> D P_t D`` and leaves ``F_t``, ``v_t``, ``K_t Z_t``
+    and the log-likelihood unchanged; the test is invariant under the same map, so it freezes at the same
+    step for every scaling, and it suffices to look at the scaling where the variances of ``P_{t+1}`` are 1.
+    There every entry of ``P_{t+1}`` is at most 1 and moved by at most 1e-14 (about 45 ulps, the rounding
+    of one step's sums) in the last step; ``F``, ``K`` and the log-likelihood terms computed from it move
+    by as much relative to their own size.  The recursion contracts at the steady state (``dP -> L dP L^T``,
+    ``L = T (I - K Z)`` stable), so the drift it would still make is at most that of the last step times
+    ``1 / (1 - rho(L)^2)``: rounding-sized unless the closed loop is within a few percent of a unit root
+    (a rule relative to the largest entry shares that factor, without the scale-freedom).
+    A zero variance freezes only an exactly unchanged row (a state known exactly stays known).  A variance
+    that decays geometrically to 0 (lag states of a SARIMAX model without measurement error that no shock
+    reaches: ~1e-72 after 300 steps) never converges on its own scale, so such a model runs the full
+    recursion until it underflows to 0."""
+    return converged(P_new, P_old, STEADY_TOL, whole)
 
 
 @numba.njit(cache=True, inline="always")

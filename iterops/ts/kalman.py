@@ -43,6 +43,12 @@ One step (``a, P`` = prediction of alpha_t given y_1..y_{t-1}; ``o`` = the obser
 * ``P0`` enters through ``sym(P0)``, so its gradient is symmetric (plus the cotangent of
   ``predicted_cov[0]``, which is ``P0``).
 * A fully missing row gives ``ll = 0``, ``a_f = a``, ``P_f = sym(P) + j I``.
+* Steady state (statsmodels' shortcut): with static ``T, Z, R, H, Q``, once the predicted covariance has
+  converged entry by entry on its own scale, ``|P_{t+1} - P_t|_ij <= 1e-14 sqrt(P_{t+1,ii} P_{t+1,jj})``, it
+  is frozen and fully observed steps run only the mean recursion.  The test is invariant under a rescaling
+  of the states (``P -> D P D``), so states in different units (thousands next to percent) are frozen
+  only when each has converged; why this changes no result beyond rounding:
+  :func:`iterops.ts._kalman_steps.steady`.
 * Failure: at the failing step ``t``, ``loglik_obs[t] = -inf``; later ``loglik_obs`` and every
   filtered or predicted quantity from ``t`` on are NaN.
 * Time-varying matrices are declared, never guessed: ``time_varying=("T", "Z")`` means ``T`` is
@@ -955,7 +961,9 @@ def kalman_filter(
     y : (..., n, p)
         Observations; NaN entries (and entries equal to ``missing_value``) are missing.
     a0 : (..., m), P0 : (..., m, m)
-        Mean and covariance of alpha_1 (known initialization; see :func:`stationary_cov`).
+        Mean and covariance of alpha_1 (known initialization; see :func:`stationary_cov`).  ``P0`` is
+        used through its symmetric part ``(P0 + P0^T) / 2`` on every path (multivariate, univariate,
+        one observable, diffuse, the smoother); ``predicted_cov[0]`` is ``P0`` as given.
     c : (..., m), d : (..., p), T : (..., m, m), Z : (..., p, m), R : (..., m, r),
     H : (..., p, p), Q : (..., r, r)
         System matrices, **keyword-only** (a positional call raises ``TypeError``: with

@@ -15,7 +15,8 @@ and ``P_{t+1}`` is singular for states without process noise)::
         smoothed_state[t] = a_t + P_t r
         smoothed_cov[t]   = P_t - P_t N P_t
 
-with ``a_t, P_t`` the filter's predictions.  With ``cov_jitter=0`` this equals
+with ``a_t, P_t`` the filter's predictions, ``P_t`` through ``sym(P_t)`` as in the filter (at ``t = 0``,
+``P0`` need not be symmetric: the smoothed moments are those of ``sym(P0)``).  With ``cov_jitter=0`` this equals
 statsmodels' ``KalmanSmoother`` (and the RTS recursion) to rounding; with a
 jitter it is the DK smoother of the jittered filter (pymc-extras'
 ``DisturbanceSmoother`` arithmetic, except that smoother adds no jitter of its own).
@@ -106,16 +107,17 @@ def kalman_smoother_kernel(y, a0, P0, system, options):
             for j in range(m):
                 N[i, j] += W[i, j]
         sym_inplace(N)
-        for i in range(m):  # a_s = a + P r ; P_s = P - P N P
+        S = ws.Ps  # sym(P), as the filter uses P (P0 need not be symmetric)
+        for i in range(m):  # a_s = a + S r ; P_s = S - S N S
             s = ap[t, i]
             for l in range(m):
-                s += P[i, l] * r[l]
+                s += S[i, l] * r[l]
             a_s[t, i] = s
-        matmul(N, P, W)
-        matmul(P, W, P_s[t])
+        matmul(N, S, W)
+        matmul(S, W, P_s[t])
         for i in range(m):
             for j in range(m):
-                P_s[t, i, j] = P[i, j] - P_s[t, i, j]
+                P_s[t, i, j] = S[i, j] - P_s[t, i, j]
         sym_inplace(P_s[t])
     keep_alive((ws_own, sx_own))
     return a_s, P_s
