@@ -22,10 +22,12 @@ import pytensor.tensor as pt
 import pytest
 from pytensor.compile.mode import get_mode
 from pytensor.scan.op import Scan
+from pytensor.scan.utils import until
 
 import iterops
 from conftest import SCAN_ORACLE, as_run_by_python
 from iterops import reference_loops as rl
+from iterops.fusion.patterns._common import CONVERGENCE_STOPS
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning")
 
@@ -84,21 +86,52 @@ def _lyapunov_case(loop, rng, **kw):
     return [A, Q], X, [A, Q], [_stable(rng), L @ L.T + np.eye(3)]
 
 
-def _fixed_point_x0_case(rng):
+def _fixed_point_x0_case(rng, **kw):
     A, Q, X0 = pt.matrix("A"), pt.matrix("Q"), pt.matrix("X0")
-    X = rl.fixed_point_loop(A, Q, X0=X0)
+    X = rl.fixed_point_loop(A, Q, X0=X0, **kw)
     L = rng.normal(size=(3, 3))
     return [A, Q, X0], X, [A, Q, X0], [_stable(rng), L @ L.T + np.eye(3), 0.1 * np.eye(3)]
 
 
-def _damped_case(rng, w=None):
+def _damped_case(rng, w=None, n_steps=3000, tol=1e-11, **kw):
     """The damped fixed point; ``w`` a symbolic scalar (``None``, also differentiated) or a constant."""
     A, Q, X0_, ws = pt.matrix("A"), pt.matrix("Q"), pt.matrix("X0"), pt.scalar("w")
-    X = rl.damped_fixed_point_loop(A, Q, ws if w is None else w, X0=X0_, tol=1e-11, n_steps=3000)
+    X = rl.damped_fixed_point_loop(A, Q, ws if w is None else w, X0=X0_, tol=tol, n_steps=n_steps, **kw)
     L = rng.normal(size=(3, 3))
     ins = [A, Q, X0_, *([ws] if w is None else [])]
     vals = [_stable(rng), L @ L.T + np.eye(3), rng.normal(size=(3, 3)), *([0.6] if w is None else [])]
     return ins, X, ins, vals
+
+
+def _step_with_stop(update, stop):
+    """A step ``X <- update(X, *args)`` with one of the accepted stop rules (``None``: ``n_steps`` iterations)."""
+    if stop is None:
+        return lambda X, *args: update(X, *args[:-1])
+
+    def step(X, *args):
+        X_new = update(X, *args[:-1])
+        return X_new, until(stop(X_new, X, args[-1]))
+
+    return step
+
+
+def _transposed_step(stop):
+    """The fixed point ``X <- A^T X A + Q`` (the same iteration for ``A^T``)."""
+    return _step_with_stop(lambda X, A, Q: A.T @ X @ A + Q, stop)
+
+
+def _transposed_case(rng, stop):
+    n_steps = 5000 if stop is not None else 60
+    return _fixed_point_x0_case(rng, step=_transposed_step(stop), tol=1e-11, n_steps=n_steps)
+
+
+def _damped_stop_case(rng, stop):
+    step = _step_with_stop(lambda X, A, Q, w: (1 - w) * X + w * (A @ X @ A.T + Q), stop)
+    return _damped_case(rng, step=step, n_steps=3000 if stop is not None else 60, tol=1e-6)  # a short Python-VM oracle
+
+
+#: every stop rule the Lyapunov patterns accept, and none
+_STOPS = (*CONVERGENCE_STOPS, None)
 
 
 def _block_diag_case(rng):
@@ -165,7 +198,9 @@ CASES = {
     "doubling": lambda rng: _lyapunov_case(rl.doubling_loop, rng),
     "fixed_point": lambda rng: _lyapunov_case(rl.fixed_point_loop, rng),
     "fixed_point_x0": _fixed_point_x0_case,
+    **{f"fixed_point_transposed_stop{k}": (lambda rng, s=s: _transposed_case(rng, s)) for k, s in enumerate(_STOPS)},
     "damped_fixed_point": _damped_case,
+    **{f"damped_fixed_point_stop{k}": (lambda rng, s=s: _damped_stop_case(rng, s)) for k, s in enumerate(_STOPS)},
     "damped_fixed_point_constant_w": lambda rng: _damped_case(rng, w=0.5),
     "block_diag": _block_diag_case,
     "block_diag_sequence": _block_diag_sequence_case,
@@ -326,17 +361,35 @@ def test_sequence_read_through_its_source_only_when_the_source_feeds_nothing_els
             assert found[0] is x and all(n.op.__class__.__name__ == "Subtensor" for n in found[1])
 
 
-@pytest.mark.parametrize("start", ["Q", "2 Q"])
-def test_start_value_built_from_another_loop_input(start, rng):
-    """Deep-fuzzer finding: ``X0 = Q`` (or ``2 Q``) with ``Q`` also a non-sequence.  The fused Op's gradient
-    of ``Q`` is then the total derivative (both paths), while the loop's gradient graph adds the start value's
-    path to ``Q``'s gradient itself: replacing both gradients would count that path twice.  Equal to the loop
-    (the pair is kept as Scans)."""
+#: start values built from another loop input (``2 Q``: a node of constants alone, ``ExpandDims(2)``, in the
+#: gradient of a while loop's start value, located in the user's graph without a variable to start from)
+_STARTS = {"Q": lambda A, Q: Q, "Q.T": lambda A, Q: Q.T, "A A^T": lambda A, Q: A @ A.T, "2 Q": lambda A, Q: 2 * Q,
+           "I + 0 Q": lambda A, Q: pt.eye(3) + 0 * Q}
+
+
+#: the loops of the Lyapunov fixed-point patterns: (step, non-sequences after A and Q, their values)
+_START_LOOPS = {
+    "AXA^T": (rl.fixed_point_step, [1e-10], []),
+    "A^TXA": (_transposed_step(CONVERGENCE_STOPS[0]), [1e-10], []),
+    "damped": (rl.damped_fixed_point_step, [pt.scalar("w"), 1e-10], [0.6]),
+}
+
+
+@pytest.mark.parametrize("loop", list(_START_LOOPS))
+@pytest.mark.parametrize("start", list(_STARTS))
+def test_start_value_built_from_another_loop_input(start, loop, rng):
+    """``X0 = Q`` (or ``Q^T``, ``A A^T``, ...) with ``Q`` (``A``) also a non-sequence.  The loop's pullback gives the
+    gradient of the start value and that of the non-sequence apart (partial derivatives), summed by the user's
+    graph; ``pytensor.grad`` of the fused graph with respect to ``Q`` would give both paths at once, and replacing
+    both gradients with it would count the start value's path twice (a deep-fuzzer finding).  The fused partial
+    derivatives come from the replacement built on stand-ins (``_partial_gradients``): fused, and equal to the
+    loop's gradients (oracle: the same graph with iterops excluded)."""
     A, Q = pt.matrix("A"), pt.matrix("Q")
-    X0 = Q if start == "Q" else 2 * Q
-    Xs = pytensor.scan(rl.fixed_point_step, outputs_info=[X0], non_sequences=[A, Q, 1e-10], n_steps=300,
+    step, extra, extra_vals = _START_LOOPS[loop]
+    Xs = pytensor.scan(step, outputs_info=[_STARTS[start](A, Q)], non_sequences=[A, Q, *extra], n_steps=300,
                        return_updates=False)
     X = Xs[-1]
     cost = (X * _weights(X, 0)).sum()
+    ins = [A, Q, *(x for x in extra if isinstance(x, pt.TensorVariable))]
     L = rng.normal(size=(3, 3))
-    _assert_fused_and_equal([A, Q], [cost, *pytensor.grad(cost, [A, Q])], [_stable(rng), L @ L.T], fused=False)
+    _assert_fused_and_equal(ins, [cost, *pytensor.grad(cost, ins)], [_stable(rng), L @ L.T, *extra_vals])

@@ -37,6 +37,10 @@ both would stay Scans.  This module replaces the pair:
    sequence that the fused graph reads through its source (``x`` for the
    Scan's slice ``x[:n]`` or ``x[::-1][:n]``) gets the fused gradient of the
    source, sliced alike (:func:`_sliced_source` says why that is exact).
+   The pullback's gradients are partial derivatives, one per loop input; ``pytensor.grad`` of the fused
+   graph gives total ones.  They differ where one variable feeds two loop inputs (a start value
+   ``X0 = Q`` with ``Q`` a non-sequence too): then the fused replacement is built again on stand-ins
+   for the loop inputs, and differentiated with respect to them (:func:`_partial_gradients`).
 
 Several costs differentiated through one loop give several gradient Scans:
 each is identified and replaced with its own cotangents.  The rewrite runs
@@ -49,6 +53,7 @@ When in doubt the Scans are kept: any step that fails keeps both.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections import OrderedDict
@@ -62,6 +67,7 @@ from pytensor.gradient import DisconnectedType
 from pytensor.graph.basic import Constant, Variable, equal_computations
 from pytensor.graph.fg import Output
 from pytensor.graph.null_type import NullType
+from pytensor.graph.replace import clone_replace
 from pytensor.graph.traversal import ancestors
 from pytensor.scan.op import Scan
 from pytensor.scan.utils import ScanArgs
@@ -267,14 +273,16 @@ def _locate(fgraph, expr, memo):
     ins = [_locate(fgraph, i, memo) for i in expr.owner.inputs]
     res = []
     anchors = [c for c in ins if not (len(c) == 1 and isinstance(c[0], Constant))]
-    if all(ins) and anchors:
+    if all(ins):
         k = expr.owner.outputs.index(expr)
-        for anchor in anchors[0]:
-            for client, _ in fgraph.clients.get(anchor, ()):
-                if client.op == expr.owner.op and len(client.inputs) == len(ins) \
-                        and all(_same_input(a, bs) for a, bs in zip(client.inputs, ins)) \
-                        and client.outputs[k] not in res:
-                    res.append(client.outputs[k])
+        # a node of constants alone (``2`` broadcast as ``ExpandDims(2)``) has no variable to start from
+        candidates = ((c for anchor in anchors[0] for c, _ in fgraph.clients.get(anchor, ())) if anchors
+                      else fgraph.apply_nodes)
+        for client in candidates:
+            if client.op == expr.owner.op and len(client.inputs) == len(ins) \
+                    and all(_same_input(a, bs) for a, bs in zip(client.inputs, ins)) \
+                    and client.outputs[k] not in res:
+                res.append(client.outputs[k])
     memo[expr] = res
     return res
 
@@ -496,6 +504,74 @@ def _shared_paths(wrt_of, targets):
     return False
 
 
+def _known_grads(cot, aux, values, fwd, last_terms):
+    """``{fused value: cotangent}`` for one gradient Scan's cotangents ``cot``: a state replaced through its final
+    value (in ``aux``) gets the sum of its cotangent's last-row ``terms``, another output its whole cotangent.
+    None if the forward replacements ``fwd`` do not provide a connected output."""
+    known = {}
+    for o, c in cot.items():
+        if o in aux:
+            value = values[o]
+            g = sum((pt.cast(y, value.dtype) for y in last_terms[o].terms), start=pt.zeros_like(value))
+        else:
+            value = fwd.get(o)
+            if value is None:
+                return None
+            g = pt.cast(c, value.dtype)
+        known[value] = known[value] + g if value in known else g
+    return known
+
+
+def _role_inputs(match):
+    """``{role: F's outer input}`` for the roles bound to an input of the matched Scan (not to a constant)."""
+    a = match.args
+    outer_of = dict(zip(a.inner_in_seqs, a.outer_in_seqs))
+    outer_of.update(zip(a.inner_in_sit_sot, a.outer_in_sit_sot))
+    outer_of.update(zip(a.inner_in_non_seqs, a.outer_in_non_seqs))
+    return {r: outer_of[u] for r, u in match.inner.items() if r in match.outer and u in outer_of}
+
+
+def _partial_gradients(F, match, targets, wrt_of, cot, aux, values, last_terms, replacements_for):
+    """``{gradient variable: fused gradient}`` as partial derivatives: each loop input varied alone, as the loop's
+    pullback differentiates (``X0 = Q`` with ``Q`` also a non-sequence: the gradient of the start value and that
+    of the non-sequence apart, where ``pytensor.grad`` of the fused graph with respect to ``Q`` sums both).
+
+    The pattern builds its replacement again on a fresh stand-in for each role whose loop input has a gradient;
+    ``pytensor.grad`` with respect to the stand-ins gives the partial derivatives, and the stand-ins are then
+    replaced by the roles' outer variables.  Exact only if that substitution gives the graph that replaces the
+    loop (a pattern whose ``build`` reads the outer graph, not only the roles' variables, may build another):
+    checked with ``equal_computations``, else None; None too where the replacement still reads a role's own
+    variable (outside ``build``: the start value of a trace read after 0 steps), or an output other than a final
+    state has a cotangent.
+    """
+    if any(o not in aux for o in cot):
+        return None
+    role_of = {}  # gradient variable -> role
+    inputs = _role_inputs(match)
+    for var in wrt_of:
+        x = F.inputs[targets[var][1]]
+        roles = [r for r, o in inputs.items() if o is x]
+        if len(roles) != 1:
+            return None
+        role_of[var] = roles[0]
+    stand_in = {r: match.outer[r].type() for r in set(role_of.values())}
+    match_s = dataclasses.replace(match, outer={**match.outer, **stand_in})
+    fwd_s = replacements_for(match_s)
+    values_s = {o: fwd_s[v] for o, v in aux.items()}
+    back = {s: match.outer[r] for r, s in stand_in.items()}
+    outs = list(values)
+    if set(back.values()) & set(ancestors([values_s[o] for o in outs])):
+        return None  # a role's variable read outside ``build`` (the start value of a trace read after 0 steps)
+    if not equal_computations(clone_replace([values_s[o] for o in outs], replace=back), [values[o] for o in outs]):
+        return None
+    known = _known_grads(cot, aux, values_s, fwd_s, last_terms)
+    wrt = list(stand_in.values())
+    grads = pytensor.grad(None, wrt=wrt, known_grads=known, disconnected_inputs="ignore", return_disconnected="zero")
+    grads = clone_replace(grads, replace=back)
+    by_role = dict(zip(stand_in, grads))
+    return {var: by_role[r] for var, r in role_of.items()}
+
+
 def _sliced_source(F, w, reachable):
     """``(source, slice nodes)`` if ``F``'s input ``w`` is ``source[s0][s1]...`` (slices only, e.g. the rows a
     Scan sequence reads, ``x[:n]`` or ``x[::-1][:n]``) and the fused graph reads ``source`` instead of ``w``;
@@ -657,19 +733,11 @@ def _replacements(fgraph, F, match, targets, cots, last_terms, aux, replacements
             _log.debug("gradient fusion kept: a cotangent needs %d steps, a loop with a stop rule may run fewer", steps)
             return None
         first = len(repl)
-        known = {}
-        for o, c in cot.items():
-            if o in aux:
-                value = values[o]
-                g = sum((pt.cast(y, value.dtype) for y in last_terms[p][o].terms), start=pt.zeros_like(value))
-            else:
-                value = fwd.get(o)
-                if value is None:
-                    _log.debug("gradient fusion kept: the fused replacement does not provide an output whose "
-                               "cotangent is connected")
-                    return None
-                g = pt.cast(c, value.dtype)
-            known[value] = known[value] + g if value in known else g
+        known = _known_grads(cot, aux, values, fwd, last_terms[p])
+        if known is None:
+            _log.debug("gradient fusion kept: the fused replacement does not provide an output whose "
+                       "cotangent is connected")
+            return None
         wrt_of = {}
         for var, (q, j) in targets.items():
             if q != p:
@@ -705,15 +773,22 @@ def _replacements(fgraph, F, match, targets, cots, last_terms, aux, replacements
         if _shared_paths(wrt_of, targets):
             # the fused gradient of a variable is a total derivative: if it also builds another loop input the
             # fused graph reads (X0 = Q with Q a non-sequence too), the loop's gradient graph adds that path to
-            # it by itself, and replacing both would count it twice
-            _log.debug("gradient fusion kept: one variable feeds two loop inputs")
-            return None
-        wrt = list(dict.fromkeys(w for w, _ in wrt_of.values()))
-        grads = pytensor.grad(None, wrt=wrt, known_grads=known, disconnected_inputs="ignore",
-                              return_disconnected="zero")
-        gmap = dict(zip(wrt, grads))
+            # it by itself.  The loop's pullback gives partial derivatives: take them from the fused graph
+            # built on independent stand-ins for the loop's inputs
+            gvar = None if via_source else _partial_gradients(F, match, targets, wrt_of, cot, aux, values,
+                                                              last_terms[p], replacements_for)
+            if gvar is None:
+                _log.debug("gradient fusion kept: one variable feeds two loop inputs, and the fused graph built "
+                           "on stand-ins for them is not the one replacing the loop")
+                return None
+        else:
+            wrt = list(dict.fromkeys(w for w, _ in wrt_of.values()))
+            grads = pytensor.grad(None, wrt=wrt, known_grads=known, disconnected_inputs="ignore",
+                                  return_disconnected="zero")
+            gmap = dict(zip(wrt, grads))
+            gvar = {var: gmap[w] for var, (w, _) in wrt_of.items()}
         for var, (w, buffer) in wrt_of.items():
-            g = gmap[w]
+            g = gvar[var]
             if var in via_source:
                 g = _slice_like(g, via_source[var][1])
             if buffer is not None:
