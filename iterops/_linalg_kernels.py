@@ -368,7 +368,7 @@ def converged(new, old, tol, whole):
     for i in range(m):
         si = tol * np.sqrt(abs(new[i, i]))
         for j in range(i + 1, m):
-            b = si * np.sqrt(new[j, j])
+            b = si * np.sqrt(abs(new[j, j]))
             if not abs(new[i, j] - old[i, j]) <= b:
                 return False
             if whole and not abs(new[i, j] - old[j, i]) <= b:

@@ -202,3 +202,15 @@ def test_rescaled_states_give_the_rescaled_solution(solver, seed, log_d):
     Di = 1.0 / D
     x = solver(D[:, None] * a * Di, D[:, None] * b, Di[:, None] * q * Di, r)
     assert_entries_close(x, Di[:, None] * sla.solve_discrete_are(a, b, q, r) * Di, 1e-8)
+
+
+def test_indefinite_q_converges_like_scipy(solver):
+    """An indefinite Q (a negative variance on the iterate's diagonal) converges: the per-entry stop test
+    takes the magnitudes of both variances (the square root of a negative one would never pass)."""
+    a = np.array([[0.5, 0.2], [0.0, 0.3]])
+    b = np.eye(2)
+    q = np.diag([1.0, -0.05])
+    r = np.eye(2)
+    ref = sla.solve_discrete_are(a, b, q, r)
+    assert ref[1, 1] < 0  # the iterate's second variance is negative
+    np.testing.assert_allclose(solver(a, b, q, r), ref, rtol=1e-10, atol=1e-12)
