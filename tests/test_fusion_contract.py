@@ -12,6 +12,7 @@ import pytensor
 import pytensor.tensor as pt
 import pytest
 import scipy.linalg
+from pytensor.compile.mode import get_mode
 from pytensor.scan.op import Scan
 from pytensor.scan.utils import until
 
@@ -368,3 +369,42 @@ def test_textbook_kalman_with_a_diagonal_of_squares_is_fused():
     assert iterops.explain(ll.sum()).replaced
     ll, _, _ = ref.kalman_textbook_loop(y, a0, L0 @ L0.T, T, Z, R, pt.diag(hv * hv), LQ @ LQ.T)
     assert iterops.explain(ll.sum()).replaced, str(iterops.explain(ll.sum()))
+
+
+# 11. linear algebra that fails: NaN in every linker -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def singular_kalman():
+    """A textbook filter whose innovation covariance ``F = Z P0 Z^T + H`` is exactly 0 at step 0 (``P0 = 0``,
+    ``H = 0``): ``inv(F)`` of the zero matrix.  Returns (inputs, outputs, values, the loop's outputs under Numba)."""
+    y, a0, L0, LH = pt.tensor("y", shape=(6, 1)), pt.vector("a0"), pt.matrix("L0"), pt.matrix("LH")
+    T, Z, R, LQ = pt.matrix("T"), pt.matrix("Z"), pt.matrix("R"), pt.matrix("LQ")
+    ins = [y, a0, L0, T, Z, R, LH, LQ]
+    outs = list(ref.kalman_textbook_loop(y, a0, L0 @ L0.T, T, Z, R, LH @ LH.T, LQ @ LQ.T))
+    vals = [np.linspace(-1.0, 1.0, 6)[:, None], np.zeros(2), np.zeros((2, 2)), 0.5 * np.eye(2), np.ones((1, 2)),
+            np.eye(2), np.zeros((1, 1)), np.eye(2)]
+    loop = pytensor.function(ins, outs, mode=get_mode("NUMBA").excluding("iterops"))
+    assert _has_scan(loop)
+    return ins, outs, vals, loop(*vals)
+
+
+@pytest.mark.parametrize("mode", ["FAST_COMPILE", "NUMBA"])
+def test_failed_linear_algebra_is_nan_in_every_linker(mode, singular_kalman):
+    """The contract's linker-dependent failure (``iterops.fusion``, item 3): where the loop's linear algebra fails,
+    the fused graph returns NaN in every linker, what the loop returns under Numba (the oracle).  Under the Python
+    linker the loop itself raises ``LinAlgError`` (NumPy's ``inv`` of a singular matrix): the fused graph does not
+    (a sampler treats both alike; the rewrite cannot know the linker, nor reproduce NumPy's exact-zero-pivot test)."""
+    ins, outs, vals, want = singular_kalman
+    assert all(np.isnan(w).any() for w in want)  # the oracle does fail: NaN, not a value
+    f = pytensor.function(ins, outs, mode=mode)
+    assert not _has_scan(f)
+    for got, w in zip(f(*vals), want):
+        np.testing.assert_allclose(got, w, rtol=1e-10, equal_nan=True)
+    loop = pytensor.function(ins, outs, mode=get_mode(mode).excluding("iterops"))
+    if mode == "FAST_COMPILE":
+        with pytest.raises(np.linalg.LinAlgError):
+            loop(*vals)
+    else:
+        for got, w in zip(loop(*vals), want):
+            np.testing.assert_allclose(got, w, rtol=1e-10, equal_nan=True)

@@ -64,9 +64,20 @@ The rewrite runs on every graph once iterops is imported, so it promises:
      ``IndexError`` in the rewritten graph too (``CheckAndRaise``).
    * A pattern whose loop would raise on some input checks that input the same way (e.g. Levinson on
      autocovariances shorter than ``order + 1``).  The message may differ.
-   * Where the loop's behaviour depends on the linker, the replacement returns NaN.  Example: ``inv`` of
-     a singular or non-finite innovation covariance is ``LinAlgError`` under FAST_COMPILE, NaN under
-     NUMBA (with ``p = 1`` and an infinite ``F``: -inf under FAST_COMPILE, a raise under NUMBA).
+   * Failed linear algebra is NaN in every linker, never an exception: where the loop's ``inv``,
+     ``solve``, ``det`` or ``cholesky`` fails (a singular, indefinite or non-finite matrix), the
+     replacement returns NaN (a log-likelihood NaN or -inf, as documented by the fused Op), in every
+     linker alike.  That is what the loop returns under NUMBA (the default) and JAX.  Under the Python
+     and C linkers (FAST_COMPILE, FAST_RUN) the loop's Ops call NumPy / SciPy, which raise
+     ``LinAlgError`` on an exactly singular matrix: there the loop raises and the replacement returns
+     NaN.  Example: a textbook Kalman filter with ``P0 = 0`` and ``H = 0`` (``F = 0`` at step 0).  The
+     reverse also occurs: with ``p = 1`` and an infinite ``F`` the loop gives -inf under FAST_COMPILE
+     and raises under NUMBA; the replacement returns its failure value in both.
+   * Why NaN and not the Python linker's raise: the rewrite does not know the linker it compiles for,
+     and NumPy's raise follows an exact zero pivot of the routine the user's Op calls (LU for ``inv`` and
+     ``solve``, none for ``det``), which a fused kernel factorizing ``F`` its own way does not reproduce:
+     it would raise where the loop returns values.  Samplers treat both alike (PyMC's NUTS counts a
+     ``LinAlgError`` as a divergence).  Pinned by ``tests/test_fusion_contract.py`` in both linkers.
 4. **Never a different computation.**  The matcher looks through spelling only: operand order of
    commutative operations, association of products and sums, ``@`` / ``dot``, transposes, widening
    casts of inputs.  A narrowing cast, ``truncate_gradient``, a different constant or stop rule, an
