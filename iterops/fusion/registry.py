@@ -63,8 +63,10 @@ class Rejection:
 
     ``reason`` is what ``iterops.explain`` prints (``str(rejection)``); ``score``
     how close the loop came, to report the closest pattern: 0-0.5 ruled out by
-    the loop's form (states, stop rule, Ops), 1 + depth the step differs from
-    the reference at that depth, 50 a static shape does not prove a constant,
+    the loop's form (states, stop rule, Ops), 1 + 16 stage + min(depth, 15) the
+    step differs from the reference at that depth in that stage (0 the stop rule,
+    1 the state updates, 2 the per-step outputs: below 50), 50 a static shape
+    does not prove a constant,
     100 and more the step matches and the loop's outer uses or the pattern's
     ``check`` rule it out.
     """
