@@ -11,7 +11,7 @@ and every variant unified with the user's step.  All of that is a pure function 
 
 So the matcher (:mod:`iterops.fusion.matcher`, :mod:`iterops.fusion.unify`) keeps, per key, the verdict
 of matching a step with a pattern, the canonical reference steps and the patterns' reference facts in
-files beside the Numba kernel cache (:func:`directory`).  What depends on the outer graph (uses of the
+files inside the Numba kernel cache (:func:`directory`).  What depends on the outer graph (uses of the
 loop's outputs, static-shape proofs, a pattern's ``check``) is never stored: it is checked per call.
 
 Failure behaviour: the memo is an optimization only.  A step that cannot be described deterministically
@@ -63,8 +63,9 @@ def digest() -> str:
 
 
 def directory() -> Path | None:
-    """``<kernel cache>/../fusion/<digest>``: beside the Numba cache (``NUMBA_CACHE_DIR`` if set, else
-    :func:`iterops._fused.kernel_cache_dir`), one folder per :func:`digest`."""
+    """``<kernel cache>/iterops-fusion/<digest>``: inside the Numba cache (``NUMBA_CACHE_DIR`` if set, else
+    :func:`iterops._fused.kernel_cache_dir`), one folder per :func:`digest`; deleting the kernel cache
+    deletes it too."""
     if DIRECTORY is not None:
         return Path(DIRECTORY) / digest()[:24]
     import numba  # noqa: PLC0415
@@ -72,7 +73,7 @@ def directory() -> Path | None:
     from iterops._fused import kernel_cache_dir  # noqa: PLC0415
 
     root = numba.core.config.CACHE_DIR or kernel_cache_dir()
-    return None if not root else Path(root).parent / "fusion" / digest()[:24]
+    return None if not root else Path(root) / "iterops-fusion" / digest()[:24]
 
 
 _PRUNED = False
