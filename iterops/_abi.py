@@ -1,8 +1,9 @@
 """One C-ABI shape for the kernels behind an :class:`iterops._fused.OpaqueKernel`, generated from NamedTuples.
 
-A kernel takes NamedTuples of arrays (of one dtype, float64 by default) and scalars (``System``, ``FilterOutputs``, ``Cotangents``, ...).
-:class:`Struct` declares one (the NamedTuple and each field's kind: an array's ndim, ``"f"``/``"i"``/``"b"``
-for a float, int or bool scalar, or a nested :class:`Struct`).  :class:`Abi` lists a kernel's arguments and
+A kernel takes NamedTuples of arrays (of one dtype, float64 by default, unless declared) and scalars (``System``,
+``FilterOutputs``, ``Cotangents``, ...).  :class:`Struct` declares one (the NamedTuple and each field's kind: an
+array's ndim, or ``(ndim, dtype)`` for an array of another dtype than the :class:`Abi`'s; ``"f"``/``"i"``/``"b"``
+for a float, int or bool scalar; or a nested :class:`Struct`).  :class:`Abi` lists a kernel's arguments and
 generates two jitted functions from them:
 
 * ``abi.pack(*args) -> (ptrs, dims, vals)`` on the caller's side: each array's address, its shape, each scalar;
@@ -13,11 +14,16 @@ Every such kernel has the one signature :data:`SIGNATURE`, ``float64(int64*, int
 to a NamedTuple must be declared in its :class:`Struct` (a mismatch raises at import); it then crosses
 the barrier with no other change.  ``abi.source`` shows the generated code.  Shapes are checked by the
 caller before packing (:func:`iterops._validate.check_shape`): ``unpack`` trusts ``dims``.
+
+:class:`Barrier` puts a jitted function of such arguments behind the barrier with no code written per kernel:
+``Barrier(fn, abi, tag)`` is the :class:`iterops._fused.OpaqueKernel` running ``fn(*abi.unpack(ptrs, dims, vals))``
+and, for entry points, ``call(*args)`` packing ``fn``'s arguments for it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import types
 
 import numba
 import numpy as np
@@ -25,7 +31,9 @@ import pytensor
 from numba.extending import intrinsic
 from pytensor.link.numba.cache import compile_numba_function_src
 
-__all__ = ["Struct", "Abi", "SIGNATURE", "address"]
+from iterops._fused import OpaqueKernel, data_ptr, keep_alive
+
+__all__ = ["Struct", "Abi", "Barrier", "SIGNATURE", "address"]
 
 _I64P = numba.types.CPointer(numba.types.int64)
 _F64P = numba.types.CPointer(numba.types.float64)
@@ -69,11 +77,12 @@ class Struct:
 
 class Abi:
     """A kernel's arguments: ``Abi(inputs=INPUTS, options=OPTIONS, out=OUTPUTS)`` (names are for reading);
-    ``dtype``: of every array (float64 unless given)."""
+    ``dtype``: of every array not declared with its own (float64 unless given)."""
 
     def __init__(self, dtype: str = "float64", **args: Struct):
         self.args = args
         self._np = self._nd = self._nv = 0
+        self.dtype, self._dtypes = dtype, {dtype}
         packs, unpacks = [], []
         for name, struct in args.items():
             unpacks.append(self._emit(struct, name, packs))
@@ -87,8 +96,8 @@ class Abi:
             "def unpack(ptrs, dims, vals):\n"
             "    return (\n" + "".join(f"        {u},\n" for u in unpacks) + "    )\n"
         )
-        namespace = {"__name__": __name__, "np": np, "numba": numba, "address": address,
-                     "pointer_at": _pointer_at(dtype)}
+        namespace = {"__name__": __name__, "np": np, "numba": numba, "address": address}
+        namespace |= {f"pointer_at_{d}": _pointer_at(d) for d in self._dtypes}
         namespace |= {s.cls.__name__: s.cls for s in self._structs(args.values())}
         # cached on disk like PyTensor's generated functions (its locator, keyed by the source): a new
         # process or a new graph loads the packer instead of compiling it (unless PyTensor's cache is off)
@@ -121,12 +130,73 @@ class Abi:
                 items.append(_SCALARS[kind].format(f"vals[{self._nv}]"))
                 self._nv += 1
             else:
+                ndim, dtype = kind if isinstance(kind, tuple) else (kind, self.dtype)
+                self._dtypes.add(dtype)
                 packs.append(f"ptrs[{self._np}] = address({here})")
                 shape = []
-                for axis in range(kind):
+                for axis in range(ndim):
                     packs.append(f"dims[{self._nd}] = {here}.shape[{axis}]")
                     shape.append(f"dims[{self._nd}]")
                     self._nd += 1
-                items.append(f"numba.carray(pointer_at(ptrs[{self._np}]), ({', '.join(shape)},))")
+                items.append(f"numba.carray(pointer_at_{dtype}(ptrs[{self._np}]), ({', '.join(shape)},))")
                 self._np += 1
         return f"{struct.cls.__name__}(" + ", ".join(items) + ")"
+
+
+def _barrier(ptrs, dims, vals):
+    """The function of every :class:`Barrier`: a copy of this one whose globals ``fn``, ``unpack`` are its own."""
+    return float(fn(*unpack(ptrs, dims, vals)))  # noqa: F821  (globals of each copy)
+
+
+class Barrier:
+    """``fn``, a jitted function of the NamedTuples that ``abi`` declares returning a number, behind a C-ABI barrier.
+
+    * ``kernel``: the :class:`iterops._fused.OpaqueKernel` (signature :data:`SIGNATURE`) whose function is a copy of
+      :func:`_barrier` named ``fn``'s name and ``tag``: ``fn(*abi.unpack(ptrs, dims, vals))`` as a float64.  A copy
+      per barrier, as Numba caches one cfunc per function: on disk under its name, with the package's kernel cache
+      (its source stamp, :class:`iterops._fused.PackageCacheLocator`); so ``(fn, tag)`` names one barrier.
+    * ``call``: a jitted ``call(*args) -> float`` for entry points, ``args`` as ``fn`` takes them: packed
+      (:meth:`Abi.pack`), passed to the kernel, kept alive past the call.  Built on first use, which compiles the
+      kernel (or loads it from the cache) and registers its symbol, as an entry point's construction must.
+    """
+
+    _names: dict[str, Barrier] = {}
+
+    def __init__(self, fn, abi: Abi, tag: str):
+        name = f"{fn.__name__}_{tag}"
+        key = f"{fn.__module__}.{name}"
+        if key in Barrier._names:
+            raise ValueError(f"Barrier {key} is defined twice (Numba would cache both under one name)")
+        Barrier._names[key] = self
+        pyfunc = types.FunctionType(_barrier.__code__, {**_barrier.__globals__, "fn": fn, "unpack": abi.unpack}, name)
+        pyfunc.__qualname__, pyfunc.__module__ = key, fn.__module__
+        self.abi, self.kernel = abi, _AbiKernel(SIGNATURE, pyfunc, abi)
+        self._call = None
+
+    @property
+    def call(self):
+        if self._call is None:
+            external, pack = self.kernel.external, self.abi.pack
+
+            @numba.njit
+            def call(*args):
+                ptrs, dims, vals = pack(*args)
+                r = external(data_ptr(ptrs), data_ptr(dims), data_ptr(vals))
+                keep_alive((args, ptrs, dims, vals))
+                return r
+
+            self._call = call
+        return self._call
+
+
+class _AbiKernel(OpaqueKernel):
+    """The :class:`iterops._fused.OpaqueKernel` of a :class:`Barrier`: float64-only when its arrays are (its C
+    signature passes every array as an address, which says nothing of their dtype)."""
+
+    def __init__(self, signature, pyfunc, abi: Abi):
+        super().__init__(signature, pyfunc)
+        self._abi = abi
+
+    @property
+    def float64_only(self) -> bool:
+        return self._abi._dtypes == {"float64"}

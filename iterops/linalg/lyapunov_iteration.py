@@ -15,11 +15,22 @@ Shapes: ``A``, ``Q``, ``X0``, ``alpha``, ``gamma``, ``X`` (..., m, m); ``tol``, 
 integer scalar.  Failure is a value: the kernels never raise and never loop beyond ``n_steps``; overflow
 (an unstable ``A``) gives inf/NaN that propagate as in the loop.
 
-Code map: the step kernels and their reverses (``_doubling_step``, ``_fixed_point_step``, ``*_vjp``), the
-runs (``smith_doubling_kernel``, ``lyapunov_fixed_point_kernel`` and their ``*_adjoint_kernel``), the C-ABI
-entry points (``_doubling_entry``, ``_fixed_point_entry``), the Ops (:class:`SmithDoublingLoop`,
-:class:`LyapunovFixedPointLoop`, their ``Grad`` and ``Trace`` Ops), :func:`share_fixed_point_trace`, then the
-public functions :func:`smith_doubling_loop` and :func:`lyapunov_fixed_point_loop`.
+Code map:
+
+* the steps and their reverses (``_doubling_step``, ``_fixed_point_step``, ``*_vjp``);
+* the doubling runs (``smith_doubling_kernel``, ``smith_doubling_adjoint_kernel``);
+* the fixed point on named arguments (:class:`Matrices`, :class:`Iterates`, :class:`Run`, :class:`Start`,
+  :class:`Seed`, :class:`Bars`): its steps (``_fixed_point_steps``, into two alternating slots or a kept trace),
+  the run growing a kept trace (``_fixed_point_run``), the reverse of a trace (``_fixed_point_reverse``);
+* one C-ABI kernel per mode, an :class:`iterops._abi.Barrier` on an :class:`~iterops._abi.Abi` of those
+  NamedTuples: ``_DOUBLING`` and ``_DOUBLING_ADJOINT`` per (``A``, ``Q``) dtypes; ``_STEPS`` (forward, traced
+  forward), ``_ADJOINT`` (run and reverse) and ``_REVERSE`` (of a trace) per dtype;
+* one entry point per Op (``_doubling_entry``, ``_doubling_adjoint_entry``, ``_fixed_point_entry``,
+  ``_fixed_point_adjoint_entry``, ``_fixed_point_trace_entry``, ``_fixed_point_trace_adjoint_entry``), the
+  fixed point's binding the Op's inputs by name (``_named_call``);
+* the Ops (:class:`SmithDoublingLoop`, :class:`LyapunovFixedPointLoop`, their ``Grad`` and ``Trace`` Ops),
+  :func:`share_fixed_point_trace`, second derivatives (``_loop_second_order``), then the public functions
+  :func:`smith_doubling_loop` and :func:`lyapunov_fixed_point_loop`.
 
 Why not :func:`iterops.solve_discrete_lyapunov`: it returns the *solution* of ``A X A^T - X + Q = 0``.
 A loop returns something else when it stops early (a tolerance, an iteration guard) or does not converge to
@@ -50,8 +61,7 @@ computes (the number of steps is a constant, the stop rule is not differentiated
   (``A X_k``, ``alpha_k gamma_k``; memory ``O(steps run * m^2)``, as the Scan's gradient), then goes back.
 * Where a graph has the fixed-point loop's value and its gradient, the Numba backend runs the loop once
   (:func:`share_fixed_point_trace`): the forward keeps the trace as an output, the reverse reads it.
-* First-order reverse mode only: the gradient Ops raise ``NotImplementedError`` when differentiated.
-  ``tol`` gets a zero gradient, ``n_steps`` none (disconnected).
+* Reverse mode only (no ``pushforward``).  ``tol`` gets a zero gradient, ``n_steps`` none (disconnected).
 
 With cotangents ``Ga``, ``Gg`` of ``alpha_{k+1}``, ``gamma_{k+1}`` (matrix calculus, e.g. Giles 2008,
 "Collected matrix derivative results for forward and reverse mode AD"):
@@ -74,18 +84,22 @@ and for the damped loop, with ``Ybar = w Xbar_{k+1}`` and ``Y_k`` from the kept 
     \bar X_k = A^T \bar Y A + (1 - w) \bar X_{k+1},\qquad
     \bar w = \sum_{k\ge 0} \langle \bar X_{k+1}, Y_k - X_k\rangle ,
 
-``Q_bar`` and ``A_bar`` as above with ``Ybar`` for ``X_bar_{k+1}``.  Second derivatives (the gradient Ops'
-pullbacks): reverse mode twice through the same loop written as a ``pytensor.scan`` with the same stop rule
-(:func:`_loop_second_order`): exact, not fused.
+``Q_bar`` and ``A_bar`` as above with ``Ybar`` for ``X_bar_{k+1}``.
+
+Second derivatives: the pullbacks of :class:`SmithDoublingLoopGrad` and :class:`LyapunovFixedPointLoopGrad` run
+reverse mode twice through the same loop written as a ``pytensor.scan`` with the same stop rule
+(:func:`_loop_second_order`): exact, not fused.  The trace Ops raise ``NotImplementedError`` when differentiated;
+:func:`share_fixed_point_trace` puts them only into a graph being compiled, whose gradients are already built.
 """
 
 from __future__ import annotations
 
+import inspect
+from functools import cache
 from typing import NamedTuple
 
 import numba
 import numpy as np
-from numba import types
 from numba.extending import overload
 import pytensor
 import pytensor.tensor as pt
@@ -96,10 +110,8 @@ from pytensor.scan.utils import until
 from pytensor.tensor.exceptions import ShapeError
 from pytensor.tensor.variable import TensorVariable
 
-from iterops._abi import SIGNATURE, Abi, Struct
-from iterops._fused import (
-    FusedOp, OpaqueKernel, apply_batched, data_ptr, entry_point, keep_alive, register_fused_op,
-)
+from iterops._abi import Abi, Barrier, Struct
+from iterops._fused import FusedOp, apply_batched, entry_point, register_fused_op
 from iterops._linalg_kernels import copy_into
 from iterops._second_order import not_twice_differentiable, reverse_twice
 from iterops._validate import as_tensor, check_dim_match, check_shape, check_square, float_dtype
@@ -192,6 +204,13 @@ def _add_into(out, X):
             out[i, j] += X[i, j]
 
 
+class _Work(NamedTuple):
+    """Two (m, m) scratch matrices of a reverse step."""
+
+    P: np.ndarray
+    W: np.ndarray
+
+
 @numba.njit(cache=True)
 def _stopped(new, old, tol, stop):
     """The user's ``until(stop(new, old, tol))``; False whenever the change is NaN."""
@@ -256,9 +275,10 @@ def _doubling_step(alpha, gamma, alpha_new, gamma_new, work):
 
 
 @numba.njit(cache=True)
-def _doubling_step_vjp(alpha, gamma, alpha_gamma, Ga, Gg, Ga_out, Gg_out, P, W):
+def _doubling_step_vjp(alpha, gamma, alpha_gamma, Ga, Gg, Ga_out, Gg_out, work):
     """Cotangents of (alpha, gamma) before a step from those after it (module docstring);
-    ``alpha_gamma`` is the step's ``alpha gamma``."""
+    ``alpha_gamma`` is the step's ``alpha gamma``; ``work`` scratch (:class:`_Work`)."""
+    P, W = work.P, work.W
     _mm(Gg, alpha, P)                                 # P = Gg alpha
     _mm(alpha, P, Gg_out, tX=True)                    # Gg_out = Gg + alpha^T Gg alpha
     _add_into(Gg_out, Gg)
@@ -320,10 +340,9 @@ def smith_doubling_adjoint_kernel(A, Q, tol, n_steps, stop, Ga, Gg):
     Gg_k = Gg.astype(Q.dtype)
     Ga_prev = np.empty_like(Ga_k)
     Gg_prev = np.empty_like(Gg_k)
-    P = np.empty((m, m), dtype=Q.dtype)
-    W = np.empty((m, m), dtype=Q.dtype)
+    work = _Work(np.empty((m, m), dtype=Q.dtype), np.empty((m, m), dtype=Q.dtype))
     for k in range(n_run - 1, -1, -1):
-        _doubling_step_vjp(alphas[k], gammas[k], works[k], Ga_k, Gg_k, Ga_prev, Gg_prev, P, W)
+        _doubling_step_vjp(alphas[k], gammas[k], works[k], Ga_k, Gg_k, Ga_prev, Gg_prev, work)
         Ga_k, Ga_prev = Ga_prev, Ga_k
         Gg_k, Gg_prev = Gg_prev, Gg_k
     return Ga_k.astype(A.dtype), Gg_k
@@ -382,40 +401,91 @@ def _damped_step_vjp_post(G, G_out, w):
 
 
 @numba.njit(cache=True)
-def _fixed_point_step_vjp(A, X, AX, G, G_out, GA, GQ, PT, W):
-    """Cotangent of ``X_k`` from that of ``X_{k+1}`` (``G``); accumulates ``GA``, ``GQ``.  ``AX`` is the
+def _fixed_point_step_vjp(A, X, AX, G, G_out, bars, work):
+    """Cotangent of ``X_k`` from that of ``X_{k+1}`` (``G``); accumulates ``bars.A``, ``bars.Q``.  ``AX`` is the
     step's ``A X_k``.  Products as ``op(U)^T op(V)^T``, which gemm runs faster than ``U V^T``."""
-    _add_into(GQ, G)                                     # Q_bar  += G
+    PT, W = work.P, work.W
+    _add_into(bars.Q, G)                        # Q_bar  += G
     _mm(A, G, PT, tX=True, tY=True)             # PT = (G A)^T = A^T G^T
     _mm(A, PT, G_out, tX=True, tY=True)         # G_out = A^T (G A) = A^T G A
     _mm(PT, X, W, tX=True, tY=True)             # A_bar  += (G A) X^T
-    _add_into(GA, W)
+    _add_into(bars.A, W)
     _mm(G, AX, W, tX=True)                      #         + G^T A X
-    _add_into(GA, W)
+    _add_into(bars.A, W)
+
+
+class Matrices(NamedTuple):
+    """A loop's matrices, (m, m) each (or their cotangents)."""
+
+    A: np.ndarray
+    Q: np.ndarray
+
+
+class Iterates(NamedTuple):
+    """A run's iterates and kept products, (slots, m, m) each: iterate ``j`` in slot ``_slot(j, keep)``."""
+
+    Xs: np.ndarray  #: ``X_j``
+    AXs: np.ndarray  #: step ``j``'s ``A X_j``
+    Ps: np.ndarray  #: damped: step ``j``'s ``(A X_j) A^T``; undamped (0, m, m)
 
 
 class _Rule(NamedTuple):
     """How the fixed-point loop runs: its stop rule, whether the whole trace is kept, its damping."""
 
     tol: float
-    n_steps: int
+    n_steps: int  #: at least 0
     stop: int
     keep: bool
     damp: int
-    w: float  #: in the iterates' dtype
+    w: float  #: float64, used in the iterates' dtype
+
+
+class Run(NamedTuple):
+    """A run of the loop from iterate ``start`` (already in its slot of the :class:`Iterates`) by ``rule``."""
+
+    start: int
+    rule: _Rule
+
+
+class Start(NamedTuple):
+    """The loop's start ``X0`` (m, m)."""
+
+    X0: np.ndarray
+
+
+class Seed(NamedTuple):
+    """What the reverse pass starts from: the cotangent ``G`` (m, m) of the last iterate, and the damping."""
+
+    G: np.ndarray
+    damp: int
+    w: float  #: float64, used in the iterates' dtype
+
+
+class Bars(NamedTuple):
+    """The reverse pass's results: the cotangents of ``A``, ``Q``, ``X0`` (m, m) and of ``w`` (1,)."""
+
+    A: np.ndarray
+    Q: np.ndarray
+    X0: np.ndarray
+    w: np.ndarray
 
 
 @numba.njit(cache=True)
-def _fixed_point_steps(A, At, Q, Xs, AXs, Ps, k, rule):
-    """Steps of the loop from iterate ``k`` (in slot ``_slot(k, keep)``) until the stop rule holds, ``n_steps``
-    steps are run or (with ``keep``) ``Xs`` is full: ``(steps run, done)``.  Step ``j`` writes ``A X_j`` to
-    ``AXs[_slot(j, keep)]`` and, damped, ``(A X_j) A^T`` to ``Ps[_slot(j, keep)]``."""
+def _fixed_point_steps(mats, its, run):
+    """Steps of the loop from iterate ``run.start`` until the stop rule holds, ``n_steps`` steps are run or (with
+    ``keep``) ``its`` is full: ``(steps run, done)``.  Step ``j`` writes ``A X_j`` to ``AXs[_slot(j, keep)]``
+    and, damped, ``(A X_j) A^T`` to ``Ps[_slot(j, keep)]``."""
+    rule = run.rule
     keep, damp = rule.keep, rule.damp
+    Xs, AXs, Ps = its.Xs, its.AXs, its.Ps
+    At = np.ascontiguousarray(mats.A.T)
+    w = Xs.dtype.type(rule.w)
+    k = run.start
     while k < rule.n_steps:
         if keep and k + 1 == Xs.shape[0]:
             return k, False
         old, new = _slot(k, keep), _slot(k + 1, keep)
-        _fixed_point_step(A, At, Q, Xs[old], Xs[new], AXs[old], Ps[old] if damp != 0 else AXs[old], damp, rule.w)
+        _fixed_point_step(mats.A, At, mats.Q, Xs[old], Xs[new], AXs[old], Ps[old] if damp != 0 else AXs[old], damp, w)
         k += 1
         if _stopped(Xs[new], Xs[old], rule.tol, rule.stop):
             break
@@ -423,70 +493,97 @@ def _fixed_point_steps(A, At, Q, Xs, AXs, Ps, k, rule):
 
 
 @numba.njit(cache=True)
-def _fixed_point_run(A, Q, X0, tol, n_steps, stop, keep, damp, w):
-    """Run the fixed-point loop (damped by ``w`` if ``damp``): (Xs, AXs, Ps, steps run), iterate ``k`` in slot
-    ``_slot(k, keep)``; with ``keep``, ``AXs[k]`` is step ``k``'s ``A X_k`` and (damped) ``Ps[k]`` its
-    ``(A X_k) A^T``."""
-    m = A.shape[0]
-    n_steps = max(n_steps, 0)
-    Xs = _buffer(n_steps, keep, m, X0.dtype)
-    AXs = _buffer(n_steps, keep, m, X0.dtype)
-    Ps = _buffer(n_steps, keep and damp != 0, m, X0.dtype)
-    Xs[0] = X0
-    At = np.ascontiguousarray(A.T)
-    rule = _Rule(tol, n_steps, stop, keep, damp, w)
-    k, done = _fixed_point_steps(A, At, Q, Xs, AXs, Ps, 0, rule)
-    while not done:
-        Xs = _grow(Xs, n_steps)
-        AXs = _grow(AXs, n_steps)
-        if damp != 0:
-            Ps = _grow(Ps, n_steps)
-        k, done = _fixed_point_steps(A, At, Q, Xs, AXs, Ps, k, rule)
-    return Xs, AXs, Ps, k
+def _iterates(n_steps, keep, damp, m, dtype):
+    """Empty :class:`Iterates` for a run of at most ``n_steps`` steps (:func:`_buffer`; ``Ps`` (0, m, m) undamped)."""
+    Ps = _buffer(n_steps, keep, m, dtype) if damp != 0 else np.empty((0, m, m), dtype=dtype)
+    return Iterates(_buffer(n_steps, keep, m, dtype), _buffer(n_steps, keep, m, dtype), Ps)
 
 
 @numba.njit(cache=True)
-def lyapunov_fixed_point_kernel(A, Q, X0, tol, n_steps, stop, damp, w):
-    """Final ``X`` of the fixed-point loop for one (m, m) system (all three of one float dtype);
-    ``damp`` a code of :data:`_DAMPINGS`, ``w`` the damping factor (float64, used in ``X0``'s dtype)."""
-    Xs, _, _, n_run = _fixed_point_run(A, Q, X0, tol, n_steps, stop, False, damp, X0.dtype.type(w))
-    return Xs[_slot(n_run, False)]
+def _grown(its, n_steps):
+    """:class:`Iterates` with twice the slots (:func:`_grow`)."""
+    Ps = _grow(its.Ps, n_steps) if its.Ps.shape[0] > 0 else its.Ps
+    return Iterates(_grow(its.Xs, n_steps), _grow(its.AXs, n_steps), Ps)
 
 
 @numba.njit(cache=True)
-def _fixed_point_reverse(A, Q, Xs, AXs, Ps, n_run, damp, w, G):
-    """``(A_bar, Q_bar, X0_bar, w_bar)`` from the cotangent ``G`` of ``X_{n_run}`` and the kept trace
-    (``Xs[k]`` = ``X_k``, ``AXs[k]``, damped ``Ps[k]``: :func:`_fixed_point_run` with ``keep``); ``w_bar`` 0
-    undamped."""
-    m = A.shape[0]
-    G_k = G.astype(Xs.dtype)
+def _trimmed(its, k):
+    """The trace of ``k`` steps kept in ``its``: ``Xs`` k + 1 slots, ``AXs`` and damped ``Ps`` k."""
+    return Iterates(its.Xs[:k + 1], its.AXs[:k], its.Ps[:min(k, its.Ps.shape[0])])
+
+
+@numba.njit(cache=True)
+def _fixed_point_steps_code(mats, its, run):
+    """:func:`_fixed_point_steps` as one number, ``2 * (steps run) + done`` (what its kernel returns)."""
+    k, done = _fixed_point_steps(mats, its, run)
+    return 2 * k + (1 if done else 0)
+
+
+@numba.njit(cache=True)
+def _steps_decode(code):
+    """``(steps run, done)`` from :func:`_fixed_point_steps_code`'s number."""
+    k = int(code)
+    return k // 2, k % 2 == 1
+
+
+@cache
+def _fixed_point_run(steps):
+    """Jitted ``run(mats, X0, rule) -> (Iterates, steps run)``: the loop from ``X0`` by ``rule``, iterate ``k`` in
+    slot ``_slot(k, keep)``, its steps run by ``steps(mats, its, run)`` (:func:`_fixed_point_steps_code`, or a call
+    of its kernel); a kept trace grows (:func:`_grown`) whenever it is full.  (A function made per ``steps``, not a
+    parameter: a function passed as a value cannot be cached.)"""
+
+    @numba.njit
+    def run(mats, X0, rule):
+        its = _iterates(rule.n_steps, rule.keep, rule.damp, X0.shape[0], X0.dtype)
+        copy_into(X0, its.Xs[0])
+        k, done = _steps_decode(steps(mats, its, Run(0, rule)))
+        while not done:
+            its = _grown(its, rule.n_steps)
+            k, done = _steps_decode(steps(mats, its, Run(k, rule)))
+        return its, k
+
+    return run
+
+
+_run_fixed_point = _fixed_point_run(_fixed_point_steps_code)
+
+
+@numba.njit(cache=True)
+def _fixed_point_reverse(mats, its, seed, bars):
+    """Writes :class:`Bars` from the cotangent ``seed.G`` of the last iterate ``X_K`` and the trace of the ``K``
+    steps run (``its.Xs`` K + 1 slots, ``AXs`` and damped ``Ps`` K slots, :func:`_fixed_point_steps` with
+    ``keep``); ``w_bar`` 0 undamped."""
+    Xs, AXs, Ps = its.Xs, its.AXs, its.Ps
+    m, damp, w = Xs.shape[1], seed.damp, Xs.dtype.type(seed.w)
+    G_k = seed.G.astype(Xs.dtype)
     G_prev = np.empty_like(G_k)
-    GA = np.zeros((m, m), dtype=Xs.dtype)
-    GQ = np.zeros((m, m), dtype=Xs.dtype)
-    P = np.empty((m, m), dtype=Xs.dtype)
-    W = np.empty((m, m), dtype=Xs.dtype)
+    bars.A[:] = 0
+    bars.Q[:] = 0
+    work = _Work(np.empty((m, m), dtype=Xs.dtype), np.empty((m, m), dtype=Xs.dtype))
     Gw = np.empty((m if damp != 0 else 0, m), dtype=Xs.dtype)
     w_bar = Xs.dtype.type(0)
-    for k in range(n_run - 1, -1, -1):
+    for k in range(AXs.shape[0] - 1, -1, -1):
         if damp == 0:  # one call site of the step's reverse (code size: the cold compile)
             Gy = G_k
         else:
-            w_bar += _damped_step_vjp_pre(Q, Xs[k], Ps[k], w, G_k, Gw)
+            w_bar += _damped_step_vjp_pre(mats.Q, Xs[k], Ps[k], w, G_k, Gw)
             Gy = Gw
-        _fixed_point_step_vjp(A, Xs[k], AXs[k], Gy, G_prev, GA, GQ, P, W)
+        _fixed_point_step_vjp(mats.A, Xs[k], AXs[k], Gy, G_prev, bars, work)
         if damp != 0:
             _damped_step_vjp_post(G_k, G_prev, w)
         G_k, G_prev = G_prev, G_k
-    return GA, GQ, G_k, w_bar
+    copy_into(G_k, bars.X0)
+    bars.w[0] = w_bar
+    return 0
 
 
 @numba.njit(cache=True)
-def lyapunov_fixed_point_adjoint_kernel(A, Q, X0, tol, n_steps, stop, damp, w, G):
-    """``(A_bar, Q_bar, X0_bar, w_bar)`` from the cotangent ``G`` of the final ``X`` (``w_bar`` 0 undamped):
-    the loop run again keeping its trace, then :func:`_fixed_point_reverse`."""
-    w = X0.dtype.type(w)
-    Xs, AXs, Ps, n_run = _fixed_point_run(A, Q, X0, tol, n_steps, stop, True, damp, w)
-    return _fixed_point_reverse(A, Q, Xs, AXs, Ps, n_run, damp, w, G)
+def _fixed_point_adjoint(mats, start, rule, seed, bars):
+    """Writes :class:`Bars` from the cotangent ``seed.G`` of the last iterate: the loop run from ``start.X0``
+    keeping its trace (``rule.keep``), then :func:`_fixed_point_reverse`."""
+    its, k = _run_fixed_point(mats, start.X0, rule)
+    return _fixed_point_reverse(mats, _trimmed(its, k), seed, bars)
 
 
 # ---------------------------------------------------------------------------
@@ -495,240 +592,246 @@ def lyapunov_fixed_point_adjoint_kernel(A, Q, X0, tol, n_steps, stop, damp, w, G
 
 
 # C-ABI barriers (see :class:`iterops._fused.OpaqueKernel`): a new graph links to these symbols
-# instead of compiling the kernels into itself again.  Arrays travel as (m, m) C-contiguous
-# pointers; results are written into the caller's arrays.
+# instead of compiling the kernels into itself again.  Arrays travel as C-contiguous
+# pointers (:class:`iterops._abi.Abi`); results are written into the caller's arrays.
 
 
-def _doubling_abi(A, Q, Ga, Gg, alpha, gamma, m, tol, n_steps, stop, adjoint):
-    """Forward: writes (alpha, gamma).  Adjoint: reads (Ga, Gg), writes (A_bar, Q_bar) into (alpha, gamma)."""
-    A_, Q_ = numba.carray(A, (m, m)), numba.carray(Q, (m, m))
-    if adjoint:
-        Ga_, Gg_ = numba.carray(Ga, (m, m)), numba.carray(Gg, (m, m))
-        a, g = smith_doubling_adjoint_kernel(A_, Q_, tol, n_steps, stop, Ga_, Gg_)
-    else:
-        a, g = smith_doubling_kernel(A_, Q_, tol, n_steps, stop)
-    numba.carray(alpha, (m, m))[:] = a
-    numba.carray(gamma, (m, m))[:] = g
-    return 0
+class Doubling(NamedTuple):
+    """The doubling loop's state or its cotangent, (m, m) each: ``alpha`` in ``A``'s dtype, ``gamma`` in ``Q``'s."""
+
+    alpha: np.ndarray
+    gamma: np.ndarray
 
 
-_PTR = {"float32": types.CPointer(types.float32), "float64": types.CPointer(types.float64)}
-_CONTROL = (types.int64, types.float64, types.int64, types.int64, types.boolean)  # m, tol, n_steps, stop, adjoint
+class _Stop(NamedTuple):
+    """The doubling loop's stop rule: at most ``n_steps`` steps, ``stop`` a code of :data:`_STOPS`."""
 
-#: (dtype of A / alpha, dtype of Q / gamma) -> kernel
-_DOUBLING_ABI = {
-    (a, q): OpaqueKernel(types.int64(*[_PTR[a], _PTR[q]] * 3, *_CONTROL), _doubling_abi, tag=f"_{a}_{q}")
-    for a, q in (("float32", "float32"), ("float32", "float64"), ("float64", "float64"))
-}
-class FixedPointArrays(NamedTuple):
-    """What the fixed-point kernel reads and writes (m x m matrices; a mode's unused arrays are empty)."""
-
-    A: np.ndarray  #: (m, m)
-    Q: np.ndarray  #: (m, m)
-    X0: np.ndarray  #: (m, m)
-    G: np.ndarray  #: (m, m) cotangent of the final X (adjoint modes)
-    out: np.ndarray  #: (3, m, m) written: X in out[0], or (A_bar, Q_bar, X0_bar)
-    w_bar: np.ndarray  #: (1,) written: the damping factor's cotangent
-    Xs: np.ndarray  #: (slots, m, m) the trace: iterate j in slot j (traced modes)
-    AXs: np.ndarray  #: (slots, m, m) step j's A X_j
-    Ps: np.ndarray  #: (slots, m, m) damped: step j's (A X_j) A^T (undamped: unused)
-
-
-class FixedPointControl(NamedTuple):
-    """The loop's controls and which mode to run (:data:`_FIXED_POINT_MODES`)."""
-
-    mode: int
-    k: int  #: traced run: the iterate to continue from; reverse from a trace: the steps traced
     tol: float
     n_steps: int
     stop: int
-    damp: int
-    w: float
-
-
-_FIXED_POINT_STRUCTS = dict(
-    arrays=Struct(FixedPointArrays, A=2, Q=2, X0=2, G=2, out=3, w_bar=1, Xs=3, AXs=3, Ps=3),
-    control=Struct(FixedPointControl, mode="i", k="i", tol="f", n_steps="i", stop="i", damp="i", w="f"),
-)
-_FIXED_POINT_ARGS = {d: Abi(dtype=d, **_FIXED_POINT_STRUCTS) for d in ("float32", "float64")}
-_fixed_point_args32, _fixed_point_args64 = _FIXED_POINT_ARGS["float32"].unpack, _FIXED_POINT_ARGS["float64"].unpack
 
 
 @numba.njit(cache=True)
-def _fp_forward(a, c):
-    """Mode 0: writes the final X to ``out[0]``."""
-    copy_into(lyapunov_fixed_point_kernel(a.A, a.Q, a.X0, c.tol, c.n_steps, c.stop, c.damp, c.w), a.out[0])
+def _doubling_forward(mats, rule, out):
+    """Writes the final ``(alpha, gamma)`` of the loop from ``mats`` (a :class:`Matrices`) into ``out``."""
+    alpha, gamma = smith_doubling_kernel(mats.A, mats.Q, rule.tol, rule.n_steps, rule.stop)
+    copy_into(alpha, out.alpha)
+    copy_into(gamma, out.gamma)
     return 0
 
 
 @numba.njit(cache=True)
-def _fp_write_cotangents(a, grads):
-    """Writes ``(A_bar, Q_bar, X0_bar, w_bar)`` into ``out`` and ``w_bar``."""
-    copy_into(grads[0], a.out[0])
-    copy_into(grads[1], a.out[1])
-    copy_into(grads[2], a.out[2])
-    a.w_bar[0] = grads[3]
+def _doubling_adjoint(mats, rule, cot, bars):
+    """Writes ``(A_bar, Q_bar)`` into ``bars`` (a :class:`Matrices`) from ``cot``, the cotangents of the final state."""
+    A_bar, Q_bar = smith_doubling_adjoint_kernel(mats.A, mats.Q, rule.tol, rule.n_steps, rule.stop, cot.alpha,
+                                                 cot.gamma)
+    copy_into(A_bar, bars.A)
+    copy_into(Q_bar, bars.Q)
     return 0
 
 
-@numba.njit(cache=True)
-def _fp_adjoint(a, c):
-    """Mode 1: the loop run again keeping its trace, then its reverse from ``G``."""
-    grads = lyapunov_fixed_point_adjoint_kernel(a.A, a.Q, a.X0, c.tol, c.n_steps, c.stop, c.damp, c.w, a.G)
-    return _fp_write_cotangents(a, grads)
+#: (dtype of A / alpha, dtype of Q / gamma) of the doubling kernels
+_DOUBLING_DTYPES = (("float32", "float32"), ("float32", "float64"), ("float64", "float64"))
+_STOP = Struct(_Stop, tol="f", n_steps="i", stop="i")
 
 
-@numba.njit(cache=True)
-def _fp_traced(a, c):
-    """Mode 2: from iterate ``k`` (in ``Xs[k]``) runs on in the caller's buffers until done or full; returns
-    ``2 * (steps run) + done``."""
-    At = np.ascontiguousarray(a.A.T)
-    rule = _Rule(c.tol, c.n_steps, c.stop, True, c.damp, a.Xs.dtype.type(c.w))
-    k, done = _fixed_point_steps(a.A, At, a.Q, a.Xs, a.AXs, a.Ps, c.k, rule)
-    return 2 * k + (1 if done else 0)
+#: the doubling kernels per (A, Q) dtypes: the forward run, and its adjoint
+_DOUBLING, _DOUBLING_ADJOINT = {}, {}
+for _a, _q in _DOUBLING_DTYPES:
+    _mats, _state = Struct(Matrices, A=(2, _a), Q=(2, _q)), Struct(Doubling, alpha=(2, _a), gamma=(2, _q))
+    _DOUBLING[_a, _q] = Barrier(_doubling_forward, Abi(mats=_mats, rule=_STOP, out=_state), f"{_a}_{_q}")
+    _DOUBLING_ADJOINT[_a, _q] = Barrier(_doubling_adjoint, Abi(mats=_mats, rule=_STOP, cot=_state, bars=_mats),
+                                        f"{_a}_{_q}")
 
-
-@numba.njit(cache=True)
-def _fp_from_trace(a, c):
-    """Mode 3: the reverse of the ``k`` steps traced in ``Xs`` (k + 1 slots), ``AXs`` and ``Ps`` (k slots)."""
-    grads = _fixed_point_reverse(a.A, a.Q, a.Xs, a.AXs, a.Ps, c.k, c.damp, a.A.dtype.type(c.w), a.G)
-    return _fp_write_cotangents(a, grads)
-
-
-@numba.njit(cache=True)
-def _fixed_point_modes(a, c):
-    if c.mode == 0:
-        return _fp_forward(a, c)
-    if c.mode == 1:
-        return _fp_adjoint(a, c)
-    if c.mode == 2:
-        return _fp_traced(a, c)
-    return _fp_from_trace(a, c)
-
-
-def _fixed_point_abi32(ptrs, dims, vals):
-    """C-ABI barrier of the fixed-point kernels, float32 (arguments: :data:`_FIXED_POINT_STRUCTS`)."""
-    return _fixed_point_modes(*_fixed_point_args32(ptrs, dims, vals))
-
-
-def _fixed_point_abi64(ptrs, dims, vals):
-    """C-ABI barrier of the fixed-point kernels, float64 (arguments: :data:`_FIXED_POINT_STRUCTS`)."""
-    return _fixed_point_modes(*_fixed_point_args64(ptrs, dims, vals))
-
-
-#: per working dtype (float64 inputs of other Ops run in float64)
-_FIXED_POINT_ABI = {
-    "float32": OpaqueKernel(SIGNATURE, _fixed_point_abi32),
-    "float64": OpaqueKernel(SIGNATURE, _fixed_point_abi64),
-}
+_MATRICES, _ITERATES = Struct(Matrices, A=2, Q=2), Struct(Iterates, Xs=3, AXs=3, Ps=3)
+_RULE = Struct(_Rule, tol="f", n_steps="i", stop="i", keep="b", damp="i", w="f")
+_SEED, _BARS = Struct(Seed, G=2, damp="i", w="f"), Struct(Bars, A=2, Q=2, X0=2, w=1)
+_DTYPES = ("float32", "float64")  #: the fixed-point kernels' working dtypes
+#: the fixed-point kernels per working dtype: the loop's steps (forward, and traced in the caller's buffers)
+_STEPS = {d: Barrier(_fixed_point_steps_code, Abi(dtype=d, mats=_MATRICES, its=_ITERATES,
+                                                  run=Struct(Run, start="i", rule=_RULE)), d) for d in _DTYPES}
+#: the loop run again keeping its trace, then its reverse (the gradient Op)
+_ADJOINT = {d: Barrier(_fixed_point_adjoint, Abi(dtype=d, mats=_MATRICES, start=Struct(Start, X0=2), rule=_RULE,
+                                                 seed=_SEED, bars=_BARS), d) for d in _DTYPES}
+#: the reverse of a kept trace (the gradient Op beside a traced forward)
+_REVERSE = {d: Barrier(_fixed_point_reverse, Abi(dtype=d, mats=_MATRICES, its=_ITERATES, seed=_SEED, bars=_BARS), d)
+            for d in _DTYPES}
 
 
 @numba.njit
-def _check_squares(func, A, Q, X0, G):
-    """``A``, ``Q``, ``X0``, ``G`` all (m, m), ``m = A.shape[0]`` (pass ``A`` again for an absent one)."""
+def _square(func, name, X, m):
+    """``X`` C-contiguous after checking that it is (m, m), ``m = A.shape[0]``."""
+    check_shape(func, name, X, "(m, m), m = A.shape[0]", (m, m))
+    # dtypes are the node's (make_node casts); only the layout may need a copy
+    return np.ascontiguousarray(X)
+
+
+@numba.njit
+def _fixed_point_inputs(func, A, Q, X0, tol, n_steps, stop, keep, damp, w):
+    """The loop's checked inputs: ``(Matrices, X0, _Rule)`` (``w`` a 0-d array, or None undamped)."""
     m = A.shape[0]
-    spec = "(m, m), m = A.shape[0]"
-    check_shape(func, "A", A, spec, (m, m))
-    check_shape(func, "Q", Q, spec, (m, m))
-    check_shape(func, "X0", X0, spec, (m, m))
-    check_shape(func, "cotangent", G, spec, (m, m))
+    mats = Matrices(_square(func, "A", A, m), _square(func, "Q", Q, m))
+    w_ = 0.0 if w is None else np.float64(w.item())
+    rule = _Rule(np.float64(tol.item()), max(np.int64(n_steps.item()), 0), stop, keep, damp, w_)
+    return mats, _square(func, "X0", X0, m), rule
+
+
+@numba.njit
+def _bars_like(X0):
+    """:class:`Bars` to be written, ``w`` zero."""
+    return Bars(np.empty_like(X0), np.empty_like(X0), np.empty_like(X0), np.zeros(1, dtype=X0.dtype))
+
+
+@numba.njit
+def _zero_d(x):
+    """A 0-d array holding the (1,) array ``x``'s entry."""
+    out = np.empty((), dtype=x.dtype)
+    out[()] = x[0]
+    return out
+
+
+@cache
+def _bars_out(damped: bool):
+    """Jitted: the gradient Ops' outputs from :class:`Bars`, ``(A_bar, Q_bar, X0_bar)``, ``damped`` also ``w_bar``
+    (0-d)."""
+    if damped:
+        return numba.njit(lambda bars: (bars.A, bars.Q, bars.X0, _zero_d(bars.w)))
+    return numba.njit(lambda bars: (bars.A, bars.Q, bars.X0))
+
+
+def _named_call(core, names: tuple[str, ...]):
+    """``core`` behind a jitted function whose parameters are an Op's inputs ``names`` (PyTensor calls an entry
+    point with one argument per input): each of ``core``'s parameters gets the input of its name, or None."""
+    params = inspect.signature(core.py_func).parameters
+    scope = {"core": core}
+    exec(f"def call({', '.join(names)}):\n"  # noqa: S102  (names are the Op's input names)
+         f"    return core({', '.join(p if p in names else 'None' for p in params)})\n", scope)
+    return numba.njit(scope["call"])
+
+
+_FUNC = "lyapunov_fixed_point_loop"
 
 
 @entry_point
-def _doubling_entry(stop: int, a_dtype: str, q_dtype: str, adjoint: bool):
-    """``run(A, Q, tol, n_steps, Ga, Gg) -> (alpha, gamma)`` or, with ``adjoint``, ``(A_bar, Q_bar)``."""
-    abi = _DOUBLING_ABI[a_dtype, q_dtype].external
+def _fixed_point_entry(stop: int, dtype: str, damp: int, names: tuple[str, ...]):
+    """:class:`LyapunovFixedPointLoop`'s entry point: ``(A, Q, X0, tol, n_steps[, w]) -> X``."""
+    steps, t = _STEPS[dtype].call, np.dtype(dtype).type
+
+    @numba.njit
+    def forward(A, Q, X0, tol, n_steps, w):
+        mats, X0, rule = _fixed_point_inputs(_FUNC, A, Q, X0, tol, n_steps, stop, False, damp, w)
+        m = X0.shape[0]
+        # two alternating slots (not kept): the kernel runs to the end in one call (no glue to grow a trace)
+        its = Iterates(np.empty((2, m, m), t), np.empty((2, m, m), t), np.empty((2 if damp != 0 else 0, m, m), t))
+        copy_into(X0, its.Xs[0])
+        k, _ = _steps_decode(steps(mats, its, Run(0, rule)))
+        return its.Xs[_slot(k, False)]
+
+    return _named_call(forward, names)
+
+
+@entry_point
+def _fixed_point_adjoint_entry(stop: int, dtype: str, damp: int, names: tuple[str, ...]):
+    """:class:`LyapunovFixedPointLoopGrad`'s entry point:
+    ``(A, Q, X0, tol, n_steps[, w], G) -> (A_bar, Q_bar, X0_bar[, w_bar])``."""
+    adjoint_kernel = _ADJOINT[dtype].call
+    func, outputs = _FUNC + " gradient", _bars_out(damp != 0)
+
+    @numba.njit
+    def adjoint(A, Q, X0, tol, n_steps, w, G):
+        mats, X0, rule = _fixed_point_inputs(func, A, Q, X0, tol, n_steps, stop, True, damp, w)
+        seed = Seed(_square(func, "cotangent", G, X0.shape[0]), damp, rule.w)
+        bars = _bars_like(X0)
+        adjoint_kernel(mats, Start(X0), rule, seed, bars)
+        return outputs(bars)
+
+    return _named_call(adjoint, names)
+
+
+@entry_point
+def _fixed_point_trace_entry(stop: int, dtype: str, damp: int, names: tuple[str, ...]):
+    """:class:`LyapunovFixedPointTrace`'s: ``(A, Q, X0, tol, n_steps[, w]) -> (X, Xs, AXs, Ps)``."""
+    run = _fixed_point_run(_STEPS[dtype].call)
+
+    @numba.njit
+    def traced(A, Q, X0, tol, n_steps, w):
+        mats, X0, rule = _fixed_point_inputs(_FUNC, A, Q, X0, tol, n_steps, stop, True, damp, w)
+        its, k = run(mats, X0, rule)
+        its = _trimmed(its, k)
+        return its.Xs[k].copy(), its.Xs, its.AXs, its.Ps
+
+    return _named_call(traced, names)
+
+
+@entry_point
+def _fixed_point_trace_adjoint_entry(dtype: str, damp: int, names: tuple[str, ...]):
+    """:class:`LyapunovFixedPointTraceGrad`'s: ``(A, Q, X0, Xs, AXs, Ps[, w], G) -> (A_bar, Q_bar, X0_bar[, w_bar])``,
+    the reverse of the trace of a :class:`LyapunovFixedPointTrace`."""
+    reverse = _REVERSE[dtype].call
+    func, outputs = _FUNC + " gradient", _bars_out(damp != 0)
+
+    @numba.njit
+    def from_trace(A, Q, X0, Xs, AXs, Ps, w, G):
+        m = A.shape[0]
+        mats = Matrices(_square(func, "A", A, m), _square(func, "Q", Q, m))
+        X0, G = _square(func, "X0", X0, m), _square(func, "cotangent", G, m)
+        k = AXs.shape[0]
+        check_shape(func, "Xs", Xs, "(k + 1, m, m), k = len(AXs)", (k + 1, m, m))
+        check_shape(func, "AXs", AXs, "(k, m, m)", (k, m, m))
+        check_shape(func, "Ps", Ps, "(k or 0 undamped, m, m)", (k if damp != 0 else 0, m, m))
+        its = Iterates(np.ascontiguousarray(Xs), np.ascontiguousarray(AXs), np.ascontiguousarray(Ps))
+        bars = _bars_like(X0)
+        reverse(mats, its, Seed(G, damp, 0.0 if w is None else np.float64(w.item())), bars)
+        return outputs(bars)
+
+    return _named_call(from_trace, names)
+
+
+_DOUBLING_FUNC = "smith_doubling_loop"
+
+
+@numba.njit
+def _doubling_inputs(func, A, Q, tol, n_steps, stop):
+    """The doubling loop's checked inputs: ``(Matrices, _Stop)``."""
+    m = A.shape[0]
+    mats = Matrices(_square(func, "A", A, m), _square(func, "Q", Q, m))
+    return mats, _Stop(np.float64(tol.item()), np.int64(n_steps.item()), stop)
+
+
+@entry_point
+def _doubling_entry(stop: int, a_dtype: str, q_dtype: str):
+    """:class:`SmithDoublingLoop`'s entry point: ``(A, Q, tol, n_steps) -> (alpha, gamma)``."""
+    call = _DOUBLING[a_dtype, q_dtype].call
     a_t, q_t = np.dtype(a_dtype).type, np.dtype(q_dtype).type
 
     @numba.njit
-    def run(A, Q, tol, n_steps, Ga, Gg):
-        m = A.shape[0]
-        _check_squares("smith_doubling_loop", A, Q, Ga, Gg)
-        # dtypes are the node's (make_node casts); only the layout may need a copy
-        A_, Q_ = np.ascontiguousarray(A), np.ascontiguousarray(Q)
-        Ga_, Gg_ = np.ascontiguousarray(Ga), np.ascontiguousarray(Gg)
-        out_a, out_q = np.empty((m, m), dtype=a_t), np.empty((m, m), dtype=q_t)
-        abi(data_ptr(A_), data_ptr(Q_), data_ptr(Ga_), data_ptr(Gg_), data_ptr(out_a), data_ptr(out_q),
-            m, np.float64(tol.item()), np.int64(n_steps.item()), stop, adjoint)
-        keep_alive((A_, Q_, Ga_, Gg_, out_a, out_q))
-        return out_a, out_q
-
-    @numba.njit
     def forward(A, Q, tol, n_steps):
-        return run(A, Q, tol, n_steps, A, Q)  # A, Q stand in for the unused cotangents
+        mats, rule = _doubling_inputs(_DOUBLING_FUNC, A, Q, tol, n_steps, stop)
+        m = A.shape[0]
+        out = Doubling(np.empty((m, m), dtype=a_t), np.empty((m, m), dtype=q_t))
+        call(mats, rule, out)
+        return out.alpha, out.gamma
 
-    return run if adjoint else forward
+    return forward
 
 
 @entry_point
-def _fixed_point_entry(stop: int, dtype: str, adjoint: bool, damp: int = 0, trace: bool = False):
-    """The entry point of the four fixed-point Ops (``damp`` a code of :data:`_DAMPINGS`; ``[w]`` when damped):
-
-    * ``(A, Q, X0, tol, n_steps[, w]) -> X``, with ``adjoint`` ``(..., G) -> (A_bar, Q_bar, X0_bar[, w_bar])``;
-    * with ``trace``: ``(A, Q, X0, tol, n_steps[, w]) -> (X, Xs, AXs, Ps)`` (:class:`LyapunovFixedPointTrace`),
-      with ``adjoint`` ``(A, Q, X0, Xs, AXs, Ps[, w], G) -> (A_bar, Q_bar, X0_bar[, w_bar])``.
-
-    Branches on these static options are pruned by Numba, so each Op compiles only its own path."""
-    abi, pack = _FIXED_POINT_ABI[dtype].external, _FIXED_POINT_ARGS[dtype].pack
-    t = np.dtype(dtype).type
-    mode = 2 * int(trace) + int(adjoint)
-    i_w = 6 if mode == 3 else 5  # where w sits in the arguments, then G
-    i_G = i_w + (1 if damp != 0 else 0)
-    func = "lyapunov_fixed_point_loop" + (" gradient" if adjoint else "")
+def _doubling_adjoint_entry(stop: int, a_dtype: str, q_dtype: str):
+    """:class:`SmithDoublingLoopGrad`'s: ``(A, Q, tol, n_steps, Ga, Gg) -> (A_bar, Q_bar)``."""
+    call = _DOUBLING_ADJOINT[a_dtype, q_dtype].call
+    a_t, q_t = np.dtype(a_dtype).type, np.dtype(q_dtype).type
+    func = _DOUBLING_FUNC + " gradient"
 
     @numba.njit
-    def call(a, c):
-        ptrs, dims, vals = pack(a, c)
-        r = abi(data_ptr(ptrs), data_ptr(dims), data_ptr(vals))
-        keep_alive((a, ptrs, dims, vals))
-        return int(r)
-
-    @numba.njit
-    def fixed_point_fn(*args):
-        # dtypes are the node's (make_node casts); only the layout may need a copy
-        A, Q, X0 = np.ascontiguousarray(args[0]), np.ascontiguousarray(args[1]), np.ascontiguousarray(args[2])
-        w = np.float64(args[i_w].item()) if damp != 0 else 0.0
-        G = np.ascontiguousarray(args[i_G]) if adjoint else A
-        _check_squares(func, A, Q, X0, G)
+    def adjoint(A, Q, tol, n_steps, Ga, Gg):
+        mats, rule = _doubling_inputs(func, A, Q, tol, n_steps, stop)
         m = A.shape[0]
-        out, w_bar, none = np.empty((3, m, m), dtype=t), np.zeros(1, dtype=t), np.empty((0, m, m), dtype=t)
-        if mode == 2:
-            tol, n = np.float64(args[3].item()), max(np.int64(args[4].item()), 0)
-            cap = _trace_slots(n)
-            Xs, AXs = np.empty((cap, m, m), dtype=t), np.empty((cap, m, m), dtype=t)
-            Ps = np.empty((cap if damp != 0 else 1, m, m), dtype=t)  # undamped: one unused slot
-            copy_into(X0, Xs[0])
-            k = 0
-            while True:  # the kernel runs until its buffers are full; here they grow as in _fixed_point_run
-                r = call(FixedPointArrays(A, Q, X0, G, out, w_bar, Xs, AXs, Ps),
-                         FixedPointControl(2, k, tol, n, stop, damp, w))
-                k = r // 2
-                if r % 2 == 1:
-                    break
-                Xs, AXs = _grow(Xs, n), _grow(AXs, n)
-                if damp != 0:
-                    Ps = _grow(Ps, n)
-            return Xs[k].copy(), Xs[:k + 1], AXs[:k], Ps[:k if damp != 0 else 0]
-        if mode == 3:
-            Xs, AXs, Ps = np.ascontiguousarray(args[3]), np.ascontiguousarray(args[4]), np.ascontiguousarray(args[5])
-            k = AXs.shape[0]
-            check_shape(func, "Xs", Xs, "(k + 1, m, m), k = len(AXs)", (k + 1, m, m))
-            check_shape(func, "AXs", AXs, "(k, m, m)", (k, m, m))
-            check_shape(func, "Ps", Ps, "(k or 0 undamped, m, m)", (k if damp != 0 else 0, m, m))
-            call(FixedPointArrays(A, Q, X0, G, out, w_bar, Xs, AXs, Ps if damp != 0 else AXs),
-                 FixedPointControl(3, k, 0.0, k, stop, damp, w))
-        else:
-            call(FixedPointArrays(A, Q, X0, G, out, w_bar, none, none, none),
-                 FixedPointControl(mode, 0, np.float64(args[3].item()), np.int64(args[4].item()), stop, damp, w))
-        if mode == 0:
-            return out[0]
-        if damp == 0:
-            return out[0], out[1], out[2]
-        wb = np.empty((), dtype=t)
-        wb[()] = w_bar[0]
-        return out[0], out[1], out[2], wb
+        cot = Doubling(_square(func, "cotangent", Ga, m), _square(func, "cotangent", Gg, m))
+        bars = Matrices(np.empty((m, m), dtype=a_t), np.empty((m, m), dtype=q_t))
+        call(mats, rule, cot, bars)
+        return bars.A, bars.Q
 
-    return fixed_point_fn
+    return adjoint
 
 
 def _control_inputs(tol, n_steps):
@@ -765,7 +868,7 @@ class SmithDoublingLoop(_LoopOp):
         return Apply(self, [A, Q, tol, n_steps], [A.type(), Q.type()])
 
     def numba_fn(self, node):
-        return _doubling_entry(_STOPS[self.stop], *(x.type.dtype for x in node.inputs[:2]), False)
+        return _doubling_entry(_STOPS[self.stop], *(x.type.dtype for x in node.inputs[:2]))
 
     def connection_pattern(self, node):
         # (alpha, gamma) per input; tol gets a zero gradient, n_steps none
@@ -796,7 +899,7 @@ class SmithDoublingLoopGrad(_LoopOp):
         return Apply(self, [A, Q, tol, n_steps, Ga, Gg], [A.type(), Q.type()])
 
     def numba_fn(self, node):
-        return _doubling_entry(_STOPS[self.stop], *(x.type.dtype for x in node.inputs[:2]), True)
+        return _doubling_adjoint_entry(_STOPS[self.stop], *(x.type.dtype for x in node.inputs[:2]))
 
     def connection_pattern(self, node):
         return [[True, True]] * 3 + [[False, False]] + [[True, True]] * 2
@@ -822,6 +925,17 @@ class _FixedPointOp(_LoopOp):
         """``[w]`` for a damped Op, else ``[]`` (where ``w`` sits in the inputs)."""
         return [0] if self.damping else []
 
+    #: the inputs' names, ``w`` where a damped Op has it (:meth:`input_names`); the entry points bind them by name
+    _INPUTS = ("A", "Q", "X0", "tol", "n_steps", "w")
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(name for name in self._INPUTS if name != "w" or self.damping)
+
+    def _entry(self, node, entry):
+        """``entry``'s entry point for this Op's stop rule, dtype and damping."""
+        return entry(_STOPS[self.stop], node.inputs[0].type.dtype, _DAMPINGS[self.damping], self.input_names)
+
     def _inputs(self, A, Q, X0, tol, n_steps, w, *cotangents):
         mats = list(map(pt.as_tensor_variable, (A, Q, X0)))
         w = [pt.as_tensor_variable(w)] if self.damping else []
@@ -829,9 +943,6 @@ class _FixedPointOp(_LoopOp):
         tol, n_steps = _control_inputs(tol, n_steps)
         cts = [pt.as_tensor_variable(g).astype(dtype) for g in cotangents]
         return [*(x.astype(dtype) for x in mats), tol, n_steps, *(x.astype(dtype) for x in w), *cts]
-
-    def _entry(self, node, adjoint):
-        return _fixed_point_entry(_STOPS[self.stop], node.inputs[0].type.dtype, adjoint, _DAMPINGS[self.damping])
 
 
 @register_fused_op
@@ -853,7 +964,7 @@ class LyapunovFixedPointLoop(_FixedPointOp):
         return Apply(self, inputs, [inputs[2].type()])
 
     def numba_fn(self, node):
-        return self._entry(node, False)
+        return self._entry(node, _fixed_point_entry)
 
     def connection_pattern(self, node):
         return [[True], [True], [True], [True], [False]] + [[True]] * len(self._w)
@@ -888,8 +999,10 @@ class LyapunovFixedPointLoopGrad(_FixedPointOp):
         inputs = self._inputs(A, Q, X0, tol, n_steps, *(w or [None]), G)
         return Apply(self, inputs, [x.type() for x in (*inputs[:3], *inputs[5:5 + len(self._w)])])
 
+    _INPUTS = (*_FixedPointOp._INPUTS, "G")
+
     def numba_fn(self, node):
-        return self._entry(node, True)
+        return self._entry(node, _fixed_point_adjoint_entry)
 
     def connection_pattern(self, node):
         n_out = 3 + len(self._w)
@@ -917,7 +1030,7 @@ class LyapunovFixedPointTrace(_FixedPointOp):
         raise ShapeError("the trace's length is the number of steps run")  # PyTensor then reads the outputs' shapes
 
     def numba_fn(self, node):
-        return _fixed_point_entry(_STOPS[self.stop], node.inputs[0].type.dtype, False, _DAMPINGS[self.damping], True)
+        return self._entry(node, _fixed_point_trace_entry)
 
     def pullback(self, inputs, outputs, cotangents):
         return _not_differentiable(self, inputs)
@@ -940,8 +1053,10 @@ class LyapunovFixedPointTraceGrad(_FixedPointOp):
         inputs = list(map(pt.as_tensor_variable, (A, Q, X0, Xs, AXs, Ps, *rest)))
         return Apply(self, inputs, [x.type() for x in (*inputs[:3], *inputs[6:6 + len(self._w)])])
 
+    _INPUTS = ("A", "Q", "X0", "Xs", "AXs", "Ps", "w", "G")
+
     def numba_fn(self, node):
-        return _fixed_point_entry(_STOPS[self.stop], node.inputs[0].type.dtype, True, _DAMPINGS[self.damping], True)
+        return _fixed_point_trace_adjoint_entry(node.inputs[0].type.dtype, _DAMPINGS[self.damping], self.input_names)
 
     def pullback(self, inputs, outputs, cotangents):
         return _not_differentiable(self, inputs)
