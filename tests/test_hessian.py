@@ -534,7 +534,7 @@ def _laplace_family_models(name):
             demo.pymc_extras_local_linear_trend_model(y[:, None]))
 
 
-@pytest.mark.parametrize("name", ["kalman_filter", "structural"])
+@pytest.mark.parametrize("name", first_then_slow(["structural", "kalman_filter"]))  # ~1.5 CPU min each
 def test_pymc_extras_laplace_family_on_iterops_models(name):
     """find_MAP, fit_laplace (find_MAP(compute_hessian=True) inside) and fit(method="pathfinder") run on the fused
     model; the MAP and the Laplace covariance equal find_MAP(compute_hessian=True)'s on the same model's Scan
