@@ -115,8 +115,8 @@ NEW_GRAPHS = {
 
 _MODEL = """
     import pymc as pm
-    from iterops import demo
-    spec = demo.MODELS["{model}"]
+    from iterops import examples
+    spec = examples.MODELS["{model}"]
     _, y = spec.load()
     model = spec.build(y, "{impl}")
     import contextlib

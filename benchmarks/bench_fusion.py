@@ -21,7 +21,7 @@ from pytensor.compile.mode import get_mode
 from pytensor.scan.op import Scan
 
 import iterops
-from iterops import demo
+from iterops import examples
 from iterops import reference_loops as ref
 from benchmarks._harness import Section, Target, best_time, ms
 
@@ -142,17 +142,17 @@ def _local_level_model(n):
     rng = np.random.default_rng(3)
     y = np.cumsum(rng.normal(size=n))[:, None]
     y[n // 3] = np.nan
-    return demo.pymc_extras_local_linear_trend_model(y)
+    return examples.pymc_extras_local_linear_trend_model(y)
 
 
 def _structural_model(n):
-    """:func:`iterops.demo.pymc_extras_structural_model` (13 states) of a monthly CO2-like series with 4 missing
+    """:func:`iterops.examples.pymc_extras_structural_model` (13 states) of a monthly CO2-like series with 4 missing
     values."""
     rng = np.random.default_rng(0)
     t = np.arange(n)
     y = 300 + 0.1 * t + 3 * np.sin(2 * np.pi * t / 12) + np.cumsum(rng.normal(0, 0.3, n)) + rng.normal(0, 0.2, n)
     y[[n // 12, 3 * n // 8, 5 * n // 8, 5 * n // 6]] = np.nan
-    return demo.pymc_extras_structural_model(y[:, None], 12)
+    return examples.pymc_extras_structural_model(y[:, None], 12)
 
 
 def _sarimax_model(n):

@@ -8,7 +8,7 @@ in one process:
   for loglik+gradient: its ``custom_vjp`` adjoint), what numpyro/blackjax run;
 - **dynamax**: ``dynamax.linear_gaussian_ssm.lgssm_filter(...).marginal_loglik`` under ``jax.jit``
   (autodiff for the gradient);
-- **JAX Scan**: the ``pytensor.scan`` Kalman filter users write (:func:`iterops.demo.scan_loglik`: the reference loop; the models here have ``c = 0``)
+- **JAX Scan**: the ``pytensor.scan`` Kalman filter users write (:func:`iterops.examples.scan_loglik`: the reference loop; the models here have ``c = 0``)
   JAX-ified as PyMC's JAX samplers do it (``mode.JAX`` rewrites, iterops' rewrites excluded so the Scan
   stays), under ``jax.jit``, ``jax.value_and_grad`` for the gradient.
 
@@ -77,7 +77,7 @@ def _jax_scan(model):
     from pytensor.graph.fg import FunctionGraph
     from pytensor.link.jax.dispatch import jax_funcify
 
-    from iterops.demo import scan_loglik
+    from iterops.examples import scan_loglik
 
     ins = _inputs(model)
     y, a0, P0, _c, d, T, Z, R, H, Q = ins  # c = 0 in these models

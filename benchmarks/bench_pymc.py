@@ -1,6 +1,6 @@
 """PyMC models on iterops vs the same models on ``pytensor.scan`` (the demo's models).
 
-For each demo model (:mod:`iterops.demo`: local level on the Nile data; AR(2)
+For each demo model (:mod:`iterops.examples`: local level on the Nile data; AR(2)
 plus noise with a stationary start on US inflation):
 
 * compile time of the model's log-density and gradient (graph building,
@@ -15,7 +15,7 @@ plus noise with a stationary start on US inflation):
 from __future__ import annotations
 
 from benchmarks._harness import Section, Target
-from iterops import demo
+from iterops import demo, examples
 
 
 def _compile_logp_dlogp(name, impl) -> float:
@@ -70,7 +70,7 @@ def _us_per_step(idata, sample_s, chains, tune, draws) -> float:
 def run(quick: bool) -> list[Section]:
     from iterops.warmup import warm_kernels
 
-    warm_kernels(names=set(demo.KERNELS), log=lambda msg: None)  # "warm kernel caches": not a first use
+    warm_kernels(names=set(examples.KERNELS), log=lambda msg: None)  # "warm kernel caches": not a first use
     draws, tune, chains = (200, 200, 2) if quick else (500, 500, 2)
     section = Section(
         title="PyMC: demo models with iterops vs pytensor.scan",
@@ -81,7 +81,7 @@ def run(quick: bool) -> list[Section]:
             f"- {chains} chains x ({tune} tune + {draws} draws), in parallel, with two NUTS samplers: nutpie "
             "(`pm.sample()`'s default when installed) and PyMC's Python NUTS.",
             "- Scan models: the textbook `pytensor.scan` Kalman filter "
-            "(`iterops.reference_loops.kalman_textbook_loop`, via `iterops.demo.scan_loglik`) and PyTensor's "
+            "(`iterops.reference_loops.kalman_textbook_loop`, via `iterops.examples.scan_loglik`) and PyTensor's "
             "`solve_discrete_lyapunov`, iterops' rewrites off.",
             "- Compile: logp + dlogp as PyMC compiles them, in a new process with an empty PyTensor cache and "
             "iterops' kernels cached. Cold compiles: the compile-time section.",
@@ -106,7 +106,7 @@ def run(quick: bool) -> list[Section]:
             "s of it. The Scan model pays the same outer graph plus its loop.",
         ])),
     )
-    for name, spec in demo.MODELS.items():
+    for name, spec in examples.MODELS.items():
         _, y = spec.load()
         compile_s = {impl: _compile_logp_dlogp(name, impl) for impl in ("iterops", "scan")}
         call_us = {impl: _eval_us(spec.build(y, impl), impl) for impl in ("iterops", "scan")}

@@ -31,14 +31,13 @@ import pytensor
 from numba.extending import intrinsic
 from pytensor.link.numba.cache import compile_numba_function_src
 
-from iterops._fused import OpaqueKernel, data_ptr, keep_alive
+from iterops._fused import F64P, PACKAGE_DIGEST, OpaqueKernel, data_ptr, keep_alive
 
 __all__ = ["Struct", "Abi", "Barrier", "SIGNATURE", "address"]
 
 _I64P = numba.types.CPointer(numba.types.int64)
-_F64P = numba.types.CPointer(numba.types.float64)
 #: the C signature of every kernel built on :class:`Abi`: ``(ptrs, dims, vals) -> float64``
-SIGNATURE = numba.types.float64(_I64P, _I64P, _F64P)
+SIGNATURE = numba.types.float64(_I64P, _I64P, F64P)
 _SCALARS = {"f": "float({})", "i": "int({})", "b": "({} != 0.0)"}
 
 
@@ -109,8 +108,6 @@ class Abi:
 
     def _key(self, name: str, dtype: str) -> str:
         """The disk-cache key of the generated ``name``: its source, the NamedTuples' modules and ``dtype``."""
-        from iterops._fused import PACKAGE_DIGEST
-
         return hashlib.sha256(f"{name} {dtype} {PACKAGE_DIGEST}\n{self.source}".encode()).hexdigest()
 
     def _structs(self, structs):

@@ -149,6 +149,11 @@ class PackageCacheLocator(_CacheLocator):
     def get_disambiguator(self):
         return self._inner.get_disambiguator()
 
+    @property
+    def _py_file(self):
+        """The defining file, which Numba reads off the locator to warn where a function cannot be cached."""
+        return self._inner._py_file
+
     @classmethod
     def from_function(cls, py_func, py_file):
         path = Path(py_file)

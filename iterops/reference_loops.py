@@ -19,13 +19,14 @@ import pytensor
 import pytensor.tensor as pt
 from pytensor.scan.utils import until
 
+from iterops._constants import LOG_2PI
+
 __all__ = [
     "doubling_step", "doubling_loop", "fixed_point_step", "fixed_point_loop", "block_diag_step", "block_diag_loop",
     "kalman_textbook_step", "kalman_textbook_loop", "kalman_spelled_step", "kalman_filtered_step",
-    "kalman_filtered_loop", "levinson_step", "levinson_loop", "levinson_spelled_step", "block_diag_backwards_loop",
+    "kalman_filtered_loop", "levinson_step", "levinson_loop", "levinson_spelled_step", "LEVINSON_V_UPDATES",
+    "block_diag_backwards_loop",
 ]
-
-LOG_2PI = float(np.log(2.0 * np.pi))
 
 
 # ---------------------------------------------------------------------------
@@ -252,17 +253,25 @@ def levinson_step(k, phi, v, gamma):
     return new_phi, v * (1 - kappa**2), kappa
 
 
+#: The innovation variance update ``v (1 - kappa^2)`` as users spell it: ``v_update -> f(v, kappa)``
+#: (:func:`levinson_spelled_step`; ``levinson_recursion(v_update=...)`` runs each spelling's operations)
+LEVINSON_V_UPDATES = {
+    "square": lambda v, kappa: v * (1 - kappa**2),
+    "minus": lambda v, kappa: v - kappa**2 * v,
+    "factored": lambda v, kappa: v * (1 - kappa) * (1 + kappa),
+}
+
+
 def levinson_spelled_step(v_update="square"):
-    """:func:`levinson_step` with the innovation variance update spelled ``"square"`` ``v * (1 - kappa**2)``,
-    ``"minus"`` ``v - kappa**2 * v`` or ``"factored"`` ``v * (1 - kappa) * (1 + kappa)``."""
+    """:func:`levinson_step` with the innovation variance update spelled ``v_update``, a key of
+    :data:`LEVINSON_V_UPDATES`: ``"square"`` ``v * (1 - kappa**2)``, ``"minus"`` ``v - kappa**2 * v`` or
+    ``"factored"`` ``v * (1 - kappa) * (1 + kappa)``."""
 
     def step(k, phi, v, gamma):
         kappa = (gamma[k + 1] - pt.sum(phi[:k] * gamma[1:k + 1][::-1])) / v
         new_phi = pt.set_subtensor(phi[:k], phi[:k] - kappa * phi[:k][::-1])
         new_phi = pt.set_subtensor(new_phi[k], kappa)
-        new_v = {"square": lambda: v * (1 - kappa**2), "minus": lambda: v - kappa**2 * v,
-                 "factored": lambda: v * (1 - kappa) * (1 + kappa)}[v_update]()
-        return new_phi, new_v, kappa
+        return new_phi, LEVINSON_V_UPDATES[v_update](v, kappa), kappa
 
     return step
 

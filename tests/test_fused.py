@@ -234,3 +234,24 @@ def test_as_dtype_copies_only_to_convert_or_make_contiguous():
         assert out.dtype == dtype and not np.shares_memory(out, y)
         np.testing.assert_array_equal(out, y.astype(dtype))
     np.testing.assert_array_equal(as_dtype(x[::2], np.float32), x[::2].astype(np.float32))  # the Python version
+
+
+def test_an_uncachable_package_function_warns_like_numba():
+    """Numba warns "Cannot cache compiled function" (at the function's file and line) when a function it was asked
+    to cache uses dynamic globals or lifted loops, which it reads off the cache locator; iterops' locator must
+    answer like Numba's own, not raise AttributeError (NUMBA_OPT=0 compiled such a function and raised)."""
+    import types  # noqa: PLC0415
+
+    from numba.core.caching import CompileResultCacheImpl  # noqa: PLC0415
+    from numba.core.errors import NumbaWarning  # noqa: PLC0415
+
+    from iterops import _linalg_kernels  # noqa: PLC0415
+    from iterops._fused import PackageCacheLocator  # noqa: PLC0415
+
+    py_func = _linalg_kernels.converged.py_func
+    impl = CompileResultCacheImpl(py_func)
+    assert isinstance(impl.locator, PackageCacheLocator)
+    cres = types.SimpleNamespace(lifted=(), library=types.SimpleNamespace(has_dynamic_globals=True),
+                                 fndesc=types.SimpleNamespace(qualname="converged"))
+    with pytest.warns(NumbaWarning, match="Cannot cache compiled function \"converged\""):
+        assert not impl.check_cachable(cres)

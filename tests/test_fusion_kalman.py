@@ -428,7 +428,7 @@ _KEPT_MODELS = {  # filter_type -> observed series of pymc-extras' structural lo
 # filter-level test above checks the same three filters in the default run
 @pytest.fixture(scope="module", params=[pytest.param(k, marks=pytest.mark.slow) for k in _KEPT_MODELS])
 def kept_filter_model(request):
-    from iterops.demo import pymc_extras_local_linear_trend_model
+    from iterops.examples import pymc_extras_local_linear_trend_model
 
     rng = np.random.default_rng(3)
     names = _KEPT_MODELS[request.param]
@@ -470,7 +470,7 @@ def _compare_with_unfused(model, logp, dlogp, n_points, scale):
 
 @pytest.fixture(scope="module")
 def local_level_model():
-    from iterops.demo import pymc_extras_local_linear_trend_model
+    from iterops.examples import pymc_extras_local_linear_trend_model
 
     rng = np.random.default_rng(3)
     y = np.cumsum(rng.normal(size=40))[:, None]

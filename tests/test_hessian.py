@@ -21,7 +21,7 @@ from pytensor.gradient import hessian_vector_product, jacobian
 
 import iterops
 from conftest import FAST_PY, SCAN_ORACLE, as_run_by_python, first_then_slow, random_ar, random_pacf
-from iterops import demo, ts
+from iterops import examples, ts
 from iterops import reference_loops as ref
 
 RUN = as_run_by_python("NUMBA")
@@ -376,7 +376,7 @@ def test_kalman_hessian_vector_product_with_one_observable_compiles_under_numba(
 def _structural_model(n=20):
     """pymc-extras' local linear trend + seasonal (4) + measurement error, its filter Scan fused on ``import
     iterops`` (``P0 = 10 I``)."""
-    return demo.pymc_extras_structural_model(_local_level_data(n)[:, None], 4)
+    return examples.pymc_extras_structural_model(_local_level_data(n)[:, None], 4)
 
 
 @pytest.mark.slow  # a cold Numba compile of d2logp: the Hessian's Jacobian Scan around the filter's Scans (minutes)
@@ -529,12 +529,12 @@ def _laplace_family_models(name):
 
     y = _local_level_data()
     if name == "kalman_filter":
-        return demo.local_level_model(y, "iterops"), demo.local_level_model(y, "scan")
-    return (demo.pymc_extras_local_linear_trend_model(y[:, None]),
-            demo.pymc_extras_local_linear_trend_model(y[:, None]))
+        return examples.local_level_model(y, "iterops"), examples.local_level_model(y, "scan")
+    return (examples.pymc_extras_local_linear_trend_model(y[:, None]),
+            examples.pymc_extras_local_linear_trend_model(y[:, None]))
 
 
-@pytest.mark.parametrize("name", ["kalman_filter", "structural"])
+@pytest.mark.parametrize("name", first_then_slow(["structural", "kalman_filter"]))  # ~1.5 CPU min each
 def test_pymc_extras_laplace_family_on_iterops_models(name):
     """find_MAP, fit_laplace (find_MAP(compute_hessian=True) inside) and fit(method="pathfinder") run on the fused
     model; the MAP and the Laplace covariance equal find_MAP(compute_hessian=True)'s on the same model's Scan

@@ -36,7 +36,7 @@ from pytensor.scan.op import Scan  # noqa: E402
 
 import iterops  # noqa: E402
 from conftest import SCAN_ORACLE  # noqa: E402
-from iterops import demo  # noqa: E402
+from iterops import examples  # noqa: E402
 from iterops.jax import ar as jar  # noqa: E402
 from iterops.jax import kalman as jkalman  # noqa: E402
 from iterops.jax import levinson as jlevinson  # noqa: E402
@@ -998,8 +998,8 @@ def _sample(model, sampler, draws=30):
 
 @pytest.mark.parametrize("sampler", ["numpyro", "blackjax"])
 def test_jax_samplers_sample_the_nile_demo_model(sampler):
-    _, nile = demo.load_nile()
-    model = demo.local_level_model(nile)
+    _, nile = examples.load_nile()
+    model = examples.local_level_model(nile)
     _logp_and_grad_agree(model)
     _sample(model, sampler, draws=10)
 
@@ -1008,13 +1008,13 @@ def test_jax_samplers_sample_the_nile_demo_model(sampler):
 @pytest.mark.parametrize("sampler", ["numpyro", "blackjax"])
 @pytest.mark.parametrize("which", ["nile", "ar2", "ar2_scan", "pymc_extras"])
 def test_jax_samplers_on_demo_models(which, sampler):
-    _, nile = demo.load_nile()
-    _, infl = demo.load_inflation()
+    _, nile = examples.load_nile()
+    _, infl = examples.load_inflation()
     model = {
-        "nile": lambda: demo.local_level_model(nile),
-        "ar2": lambda: demo.ar2_noise_model(infl[:80]),  # solve_discrete_lyapunov + kalman_filter
-        "ar2_scan": lambda: demo.ar2_noise_model(infl[:80], impl="scan"),  # the Scan version, as users write it
-        "pymc_extras": lambda: demo.pymc_extras_local_linear_trend_model(nile[:, None]),
+        "nile": lambda: examples.local_level_model(nile),
+        "ar2": lambda: examples.ar2_noise_model(infl[:80]),  # solve_discrete_lyapunov + kalman_filter
+        "ar2_scan": lambda: examples.ar2_noise_model(infl[:80], impl="scan"),  # the Scan version, as users write it
+        "pymc_extras": lambda: examples.pymc_extras_local_linear_trend_model(nile[:, None]),
     }[which]()
     if which == "pymc_extras":  # its Kalman filter Scan is fused in the graph the JAX samplers run
         from pymc.sampling.jax import _replace_shared_variables

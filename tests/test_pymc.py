@@ -30,7 +30,7 @@ from pytensor.tensor.blockwise import Blockwise
 
 import iterops
 from conftest import SCAN_ORACLE
-from iterops import demo
+from iterops import demo, examples
 from iterops.linalg.lyapunov import DiscreteLyapunov
 from iterops.ts.kalman import KalmanFilterGrad
 
@@ -271,15 +271,15 @@ def _ucm_loglike(y, s_obs, s_lvl):
 
 def test_local_level_loglik_matches_statsmodels(level_data):
     y, _ = level_data
-    model = demo.local_level_model(y)
+    model = examples.local_level_model(y)
     f = _potential_fn(model)
     for s_obs, s_lvl in [(1.0, 0.5), (0.3, 2.0)]:
         np.testing.assert_allclose(f(np.log(s_obs), np.log(s_lvl)), _ucm_loglike(y, s_obs, s_lvl), rtol=1e-10)
 
 
 def test_inflation_model_loglik_matches_statsmodels():
-    _, y = demo.load_inflation()
-    model = demo.ar2_noise_model(y)
+    _, y = examples.load_inflation()
+    model = examples.ar2_noise_model(y)
     f = _potential_fn(model)
     sarimax = sm.tsa.SARIMAX(y, order=(2, 0, 0), trend="c", measurement_error=True)
     for mean, pacf, s_state, s_obs in [(4.0, (0.8, 0.1), 1.5, 1.0), (3.0, (-0.3, 0.5), 0.5, 2.0)]:
@@ -297,14 +297,14 @@ def test_scan_baseline_matches_statsmodels(level_data):
     is a correct filter, also with the observation intercept the inflation model moves to the data."""
     y, _ = level_data
     s_obs, s_lvl = pt.dscalars("s_obs", "s_lvl")
-    a0, P0, system = demo.local_level_system(s_obs, s_lvl, y[0])
-    ll = demo.scan_loglik(y[:, None], a0, P0, **system)
+    a0, P0, system = examples.local_level_system(s_obs, s_lvl, y[0])
+    ll = examples.scan_loglik(y[:, None], a0, P0, **system)
     f = pytensor.function([s_obs, s_lvl], ll, mode=NO_ITEROPS)
     assert any(isinstance(node.op, Scan) for node in f.maker.fgraph.apply_nodes)
     np.testing.assert_allclose(f(0.8, 0.4), _ucm_loglike(y, 0.8, 0.4), rtol=1e-9)
 
-    _, y = demo.load_inflation()
-    model = demo.ar2_noise_model(y, impl="scan")
+    _, y = examples.load_inflation()
+    model = examples.ar2_noise_model(y, impl="scan")
     (loglik,) = model.replace_rvs_by_values(model.potentials)
     f = pytensor.function(model.value_vars, loglik, mode=NO_ITEROPS)
     sarimax = sm.tsa.SARIMAX(y, order=(2, 0, 0), trend="c", measurement_error=True)
@@ -317,7 +317,7 @@ def test_scan_baseline_matches_statsmodels(level_data):
 
 def test_local_level_recovery_and_fused_dlogp(level_data):
     y, truth = level_data
-    model = demo.local_level_model(y)
+    model = examples.local_level_model(y)
     _assert_fused_no_scan(model.compile_dlogp().f, KalmanFilterGrad)
     with model:
         idata = _quiet_sample(draws=300, tune=300, chains=1, random_seed=4, nuts_sampler="pymc")
@@ -331,7 +331,7 @@ def test_demo_state_function_matches_statsmodels_filter_and_smoother(level_data)
     """The demo's state bands come from one compiled filter + smoother (Python linker: iterops' Ops run
     their Numba kernels under it too); its filtered and smoothed states and variances are statsmodels'."""
     y, _ = level_data
-    fn = demo._state_function(demo.MODELS["nile"], y)
+    fn = demo._state_function(examples.MODELS["nile"], y)
     assert fn.maker.mode.linker.__class__.__name__ != "NumbaLinker"
     s_obs, s_lvl = 0.7, 1.3
     a_f, P_f, a_s, P_s, d = fn(s_obs, s_lvl)

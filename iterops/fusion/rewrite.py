@@ -226,8 +226,6 @@ class FuseScan(NodeRewriter):
 
 fuse_scan = FuseScan()
 
-_TAGS = ("fast_run", "fast_compile", "iterops")
-
 
 def _has_inner_scan(op) -> bool:
     return isinstance(op, Scan) and any(isinstance(n.op, Scan) for n in op.fgraph.apply_nodes)

@@ -62,8 +62,8 @@ import numpy as np
 from jax import lax
 
 from iterops.jax._common import mm, register_op
-from iterops.ts._kalman_steps import LOG_2PI
-from iterops.ts.kalman import SYSTEM_NAMES
+from iterops._constants import LOG_2PI
+from iterops.ts.kalman import INPUT_NAMES, SYSTEM_NAMES
 
 __all__ = ["KalmanOptions", "kalman_filter", "kalman_filter_vjp", "kalman_smoother"]
 
@@ -420,14 +420,11 @@ def kalman_smoother(y, a0, P0, c, d, T, Z, R, H, Q, options=KalmanOptions()):
     return jnp.where(bad, jnp.nan, a_s), jnp.where(bad, jnp.nan, P_s)
 
 
-#: the Ops' filter inputs, in order (``KalmanFilterGrad`` then takes ``predicted_state``, ``predicted_cov`` and
-#: the 8 output cotangents)
-OP_INPUTS = ("y", "a0", "P0", *SYSTEM_NAMES)
 
 
 def op_inputs(args):
     """``(filter inputs, the rest)`` of an Op's inputs: the one place that knows their layout."""
-    k = len(OP_INPUTS)
+    k = len(INPUT_NAMES)
     return tuple(args[:k]), tuple(args[k:])
 
 

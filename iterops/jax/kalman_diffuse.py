@@ -36,15 +36,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from iterops._constants import LOG_2PI
 from iterops.jax._common import register_op
 from iterops.jax.kalman import KalmanOptions, _cotangents, kalman_filter
-from iterops.ts._kalman_steps import LOG_2PI
+from iterops.ts._kalman_diffuse import DIFFUSE_TOL  # statsmodels' tolerance_diffuse
 from iterops.ts.kalman import SYSTEM_NAMES
 
 __all__ = ["kalman_filter_diffuse", "kalman_filter_diffuse_vjp", "register"]
-
-TOL = 1e-10  # statsmodels' tolerance_diffuse, as iterops.ts._kalman_diffuse.DIFFUSE_TOL
-
 
 def _missing(yt, opts):
     miss = jnp.isnan(yt)
@@ -62,8 +60,8 @@ def _component(yi, miss, di, z, h, a, P, Pi):
     F = z @ M + h
     Fi = z @ Mi
     finite = jnp.isfinite(F) & jnp.isfinite(Fi) & jnp.isfinite(v)
-    diffuse = finite & (Fi > TOL)
-    ordinary = finite & ~diffuse & (F > TOL)
+    diffuse = finite & (Fi > DIFFUSE_TOL)
+    ordinary = finite & ~diffuse & (F > DIFFUSE_TOL)
     Fi_s = jnp.where(diffuse, Fi, 1.0)
     F_s = jnp.where(ordinary, F, 1.0)
     F_d = jnp.where(diffuse, F, 0.0)
@@ -140,7 +138,7 @@ def _diffuse_fwd(y, a0, P0, Pinf, system, opts):
         yt, tvt, t = xs
         st = _system_at(system, opts, tvt)
         c, dd, T, Z, R, H, Q = st
-        active = active & (jnp.sum(Pi * Pi) > TOL)
+        active = active & (jnp.sum(Pi * Pi) > DIFFUSE_TOL)
         miss = _missing(yt, opts)
         af, Pf, Pif, ll, fail, tape = _step_components(yt, miss, st, a, P, Pi)
         v_seq = jnp.stack([e[2] for e in tape])
@@ -169,7 +167,7 @@ def _diffuse_fwd(y, a0, P0, Pinf, system, opts):
     Ps, Pis = 0.5 * (P0 + P0.T), 0.5 * (Pinf + Pinf.T)
     init = (a0, Ps, Pis, jnp.bool_(True), jnp.int32(0), jnp.bool_(False))
     (a_d, P_d, Pi_d, _, d, failed), (outs, tape) = lax.scan(step, init, (y, tv, jnp.arange(n)), length=n)
-    ended = jnp.sum(Pi_d * Pi_d) <= TOL
+    ended = jnp.sum(Pi_d * Pi_d) <= DIFFUSE_TOL
     primal = (outs, d, a_d, P_d, failed, ended)
     return primal, (y, a0, P0, Pinf, system, tape, d)
 

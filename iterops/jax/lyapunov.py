@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from iterops._constants import FLOAT64_EPS
 from iterops.jax._common import constant_int, register_op
 from iterops.linalg.lyapunov import _METHODS  # the methods' and stop rules' codes, as the Numba kernels read them
 from iterops.linalg.lyapunov_iteration import _STOPS
@@ -44,7 +45,6 @@ __all__ = [
     "damped_fixed_point_loop_vjp",
 ]
 
-_EPS = float(np.finfo(np.float64).eps)
 #: above this many stored iterates the gradient recomputes instead of storing (memory)
 _MAX_TAPE = 1 << 20
 
@@ -85,7 +85,7 @@ def _schur(A, Q):
     T = jnp.triu(T)
     Uh = _ct(U)
     C = Uh @ (Q.astype(jnp.complex128) @ U)
-    sing = 1e3 * _EPS
+    sing = 1e3 * FLOAT64_EPS
     idx = jnp.arange(n)
     eye = jnp.eye(n, dtype=jnp.complex128)
 
@@ -160,7 +160,7 @@ def _lyapunov_solve(A, Q, method, tol, max_iter):
     if n == 0:
         return nan
     code = _METHODS[method] if isinstance(method, str) else int(method)
-    tol = _EPS if tol <= 0.0 else float(tol)
+    tol = FLOAT64_EPS if tol <= 0.0 else float(tol)
     finite = jnp.all(jnp.isfinite(A)) & jnp.all(jnp.isfinite(Q))
     # a non-finite input must not reach the Schur decomposition (LAPACK on NaN)
     A_ = jnp.where(finite, A, 0)
@@ -178,7 +178,7 @@ def _lyapunov_solve(A, Q, method, tol, max_iter):
         if code == 1:
             X, ok = Xd, conv
         else:
-            accept = conv & (_relative_residual(A_, Q_, Xd) <= 100.0 * _EPS)
+            accept = conv & (_relative_residual(A_, Q_, Xd) <= 100.0 * FLOAT64_EPS)
             X, ok = lax.cond(accept, lambda _: (Xd, jnp.bool_(True)), by_schur, None)
     return jnp.where(finite & ok, X, nan)
 

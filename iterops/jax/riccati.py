@@ -19,16 +19,15 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from iterops._constants import FLOAT64_EPS
 from iterops.jax._common import register_op
 from iterops.jax.lyapunov import solve_discrete_lyapunov
+from iterops.linalg.riccati import _MAX_RELATIVE_RESIDUAL  # the kernel's a-posteriori check
 
 __all__ = ["solve_discrete_are", "register"]
 
-_EPS = float(np.finfo(np.float64).eps)
-_MAX_RELATIVE_RESIDUAL = 1e-8  # as iterops.linalg.riccati
 
 
 def _sym(M):
@@ -75,7 +74,7 @@ def _dare_solve(A, B, Q, R, tol, max_iter):
     nan = jnp.full((n, n), jnp.nan, dtype=jnp.float64)
     if n == 0:
         return nan
-    tol = 1e2 * _EPS if tol <= 0.0 else float(tol)
+    tol = 1e2 * FLOAT64_EPS if tol <= 0.0 else float(tol)
     finite = jnp.all(jnp.isfinite(A)) & jnp.all(jnp.isfinite(B)) & jnp.all(jnp.isfinite(Q)) & jnp.all(jnp.isfinite(R))
     # non-finite inputs must not reach LAPACK (the solves, the eigenvalues)
     A_, B_ = jnp.where(finite, A, 0.0), jnp.where(finite, B, 0.0)

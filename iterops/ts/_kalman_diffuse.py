@@ -47,8 +47,9 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
+from iterops._constants import LOG_2PI
 from iterops.ts._kalman_filter import _fail_from
-from iterops.ts._kalman_steps import LOG_2PI, fully_observed, missing, system_at
+from iterops.ts._kalman_steps import fully_observed, missing, system_at
 
 __all__ = ["DIFFUSE_TOL", "DiffuseOutputs", "diffuse_outputs", "diffuse_filter", "diffuse_adjoint"]
 

@@ -13,10 +13,11 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
+from iterops._constants import LOG_2PI
 from iterops._fused import keep_alive
 from iterops._linalg_kernels import all_finite, carve, copy_into, sym_finite, sym_into
 from iterops.ts._kalman_steps import (
-    AUTO, LOG_2PI, MULTIVARIATE, UNIVARIATE, _innovation_cov, diagonal, find_structure, fully_observed, innovation,
+    AUTO, MULTIVARIATE, UNIVARIATE, _innovation_cov, diagonal, find_structure, fully_observed, innovation,
     loglik, observe, predict_cov, predict_mean, prefers_univariate, rqr, static_cov, static_rq, steady as steady_test,
     structure,
     system_at, ti, update_cov, update_mean, update_one, update_univariate, update_work, varies_over_time,

@@ -34,13 +34,11 @@ import pytensor
 import pytensor.tensor as pt
 from pytensor.gradient import DisconnectedType, disconnected_grad
 
+from iterops._constants import LOG_2PI
 from iterops._second_order import reverse_twice
+from iterops.ts._kalman_steps import SYSTEM_NAMES
 
 __all__ = ["filter_graph", "adjoint_pullback"]
-
-LOG_2PI = float(np.log(2.0 * np.pi))
-_NAMES = ("c", "d", "T", "Z", "R", "H", "Q")
-
 
 def _sym(X):
     return 0.5 * (X + X.T)
@@ -94,16 +92,16 @@ def filter_graph(y, a0, P0, c, d, T, Z, R, H, Q, time_varying, cov_jitter, missi
         missing = missing | pt.eq(y, missing_value)
     observed = 1.0 - pt.cast(missing, "float64")
     y = pt.switch(missing, 0.0, y)
-    mats = dict(zip(_NAMES, (c, d, T, Z, R, H, Q)))
-    seq_names = [k for k, tv in zip(_NAMES, time_varying) if tv]
-    fixed = {k: mats[k][0] for k, tv in zip(_NAMES, time_varying) if not tv}
+    mats = dict(zip(SYSTEM_NAMES, (c, d, T, Z, R, H, Q)))
+    seq_names = [k for k, tv in zip(SYSTEM_NAMES, time_varying) if tv]
+    fixed = {k: mats[k][0] for k, tv in zip(SYSTEM_NAMES, time_varying) if not tv}
     jitter = pt.constant(float(cov_jitter), dtype="float64")
 
     def step(y_t, o_t, *rest):
         seqs = dict(zip(seq_names, rest[: len(seq_names)]))
         a, P = rest[len(seq_names) : len(seq_names) + 2]
         args = {**fixed, **seqs}
-        a_next, P_next, ll, *per_step = _step(y_t, o_t, a, P, *(args[k] for k in _NAMES), jitter)
+        a_next, P_next, ll, *per_step = _step(y_t, o_t, a, P, *(args[k] for k in SYSTEM_NAMES), jitter)
         return [a_next, P_next, ll, *(o for o, keep in zip(per_step, kept) if keep)]
 
     # the per-step outputs (a_f, P_f, v, F) are outputs 2, 3, 6, 7

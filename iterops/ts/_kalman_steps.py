@@ -66,13 +66,14 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
+from iterops._constants import LOG_2PI
 from iterops._linalg_kernels import (
     FLOAT_MAX, SMALL, all_finite, borrowed, carve, cho_solve_vec, cholesky, converged, copy_into, flat, matmul, nonzero_index,
     spmm, spmm_rows, sym_finite, sym_inplace, sym_into, transpose_finite,
 )
 
 __all__ = [
-    "LOG_2PI", "System", "Options", "Wanted", "UpdateWork", "update_work", "ReverseWork", "reverse_work", "Structure",
+    "System", "SYSTEM_NAMES", "Options", "Wanted", "UpdateWork", "update_work", "ReverseWork", "reverse_work", "Structure",
     "structure", "find_structure", "ti", "system_at",
     "static_cov", "varies_over_time", "static_rq", "missing", "fully_observed", "observe", "innovation",
     "observe_vjp", "update_cov", "update_one", "gain_one", "update_vjp_one", "MULTIVARIATE", "AUTO", "UNIVARIATE",
@@ -80,9 +81,6 @@ __all__ = [
     "update_univariate", "update_mean", "update_vjp", "loglik", "loglik_vjp", "predict_mean", "rqr",
     "predict_cov", "STEADY_TOL", "steady", "predict_cov_vjp", "rq_vjp", "predict_vjp", "closed_loop",
 ]
-
-LOG_2PI = float(np.log(2.0 * np.pi))
-
 
 class System(NamedTuple):
     """The system matrices.  In a kernel's arguments each has a leading time axis of length 1
@@ -96,6 +94,10 @@ class System(NamedTuple):
     R: np.ndarray  #: (tR, m, r) selection
     H: np.ndarray  #: (tH, p, p) observation noise covariance
     Q: np.ndarray  #: (tQ, r, r) state noise covariance
+
+
+#: the system matrices' names, in argument order (``kalman_filter``'s keywords, ``time_varying``'s names)
+SYSTEM_NAMES = System._fields
 
 
 class Options(NamedTuple):

@@ -143,7 +143,7 @@ from iterops.ts._kalman_diffuse import DiffuseOutputs, diffuse_adjoint, diffuse_
 from iterops.ts._kalman_second import adjoint_pullback
 from iterops.ts._kalman_filter import FilterOutputs, filter_into, filter_outputs, kalman_filter_kernel
 from iterops.ts._kalman_steps import (
-    AUTO, MULTIVARIATE, UNIVARIATE, Options, System, Wanted, diagonal, prefers_univariate,
+    AUTO, MULTIVARIATE, SYSTEM_NAMES, UNIVARIATE, Options, System, Wanted, diagonal, prefers_univariate,
 )
 
 __all__ = [
@@ -158,9 +158,10 @@ __all__ = [
     "kalman_adjoint_kernel",
 ]
 
-#: System matrices, in argument order, and their core ndim when static.
-SYSTEM_NAMES = System._fields
-_CORE_NDIM = {"c": 1, "d": 1, "T": 2, "Z": 2, "R": 2, "H": 2, "Q": 2}
+#: each system matrix's core ndim (without its time axis), in argument order (:data:`SYSTEM_NAMES`)
+SYSTEM_NDIM = dict(zip(SYSTEM_NAMES, (1, 1, 2, 2, 2, 2, 2)))
+#: the filter Ops' inputs, in order (the gradient Ops take ``predicted_state``, ``predicted_cov`` and the 8
+#: output cotangents after them)
 INPUT_NAMES = ("y", "a0", "P0", *SYSTEM_NAMES)
 #: core signature of each input (time axis "t<name>" of length 1 when static, n when time-varying)
 IN_SIG = (
@@ -236,7 +237,7 @@ class DiffuseCotangents(NamedTuple):
     d: int
 
 
-SYSTEM = Struct(System, c=2, d=2, T=3, Z=3, R=3, H=3, Q=3)
+SYSTEM = Struct(System, **{k: nd + 1 for k, nd in SYSTEM_NDIM.items()})  # with the time axis
 INPUTS = Struct(Inputs, y=2, a0=1, P0=2, system=SYSTEM)
 OPTIONS = Struct(Options, jitter="f", missing_value="f", use_missing_value="b")
 MOMENTS = Struct(Moments, state=2, cov=3)
@@ -327,6 +328,9 @@ def cotangents_of(func, gll, g, x):
 
 @numba.njit(cache=True)
 def _checked_cotangents(func, gll, g, x):
+    """:class:`Cotangents` of ``gll`` (float) and the 7 contiguous per-step cotangents ``g``, each checked against
+    its output's shape on the :class:`Inputs` ``x`` (n steps, m states, p observables): ``ValueError`` naming
+    it on a mismatch, a zero-row one (disconnected) kept empty."""
     (n, p), m = x.y.shape, x.a0.shape[0]
     return Cotangents(
         gll, _cotangent(func, "loglik_obs cotangent", g[0], (n,)),
@@ -347,6 +351,8 @@ def predictions_of(func, ap, Pp, x):
 
 @numba.njit(cache=True)
 def _checked_predictions(func, ap, Pp, x):
+    """:class:`Moments` of ``ap`` (n + 1, m) and ``Pp`` (n + 1, m, m); ``ValueError`` naming the one whose shape
+    does not match the :class:`Inputs` ``x``."""
     n, m = x.y.shape[0], x.a0.shape[0]
     check_shape(func, "predicted_state", ap, "(n + 1, m)", (n + 1, m))
     check_shape(func, "predicted_cov", Pp, "(n + 1, m, m)", (n + 1, m, m))
@@ -395,11 +401,16 @@ _filter_abi.companions = ("iterops.ts.kalman._adjoint_abi",)
 @entry_point
 def _filter_entry(tv: tuple, jitter: float, mv: float, use_mv: bool, univariate="auto", forecast_cov: bool = True,
                   covariances: bool = True):
+    """Entry point of :class:`KalmanFilter` for its props (``tv``: 7 time-varying flags; ``mv``, ``use_mv``: the
+    missing-value sentinel; the rest as the Op's): checks the shapes, runs :func:`_filter_abi` and returns the 8
+    outputs of :class:`KalmanFilterResult` (float64).  Failure value as in the module docstring (``loglik = -inf``)."""
     update, need_F, need_P = UPDATE_MODES[univariate], bool(forecast_cov), bool(covariances)
     abi, pack = _filter_abi.external, FILTER_ABI.pack  # opaque call: a new graph does not recompile the kernel
 
     @numba.njit
     def kalman_filter_fn(*args):
+        """``(y, a0, P0, c, d, T, Z, R, H, Q) -> (loglik, loglik_obs, filtered_state, filtered_cov,
+        predicted_state, predicted_cov, forecast_error, forecast_error_cov)``; a shape mismatch raises."""
         options, mode = Options(jitter, mv, use_mv), Mode(update, need_F, need_P)
         x = inputs_of(args)
         check_inputs("kalman_filter", x, tv)
@@ -424,6 +435,8 @@ def _adjoint_entry(tv: tuple, jitter: float, mv: float, use_mv: bool, unused: tu
 
     @numba.njit
     def kalman_filter_grad_fn(*args):
+        """``(10 inputs, predicted_state, predicted_cov, 8 output cotangents) -> the 10 inputs' cotangents``;
+        a shape mismatch raises; the filter's failure gives NaN cotangents."""
         func, options = "kalman_filter gradient", Options(jitter, mv, use_mv)
         x = inputs_of(args[:10])
         check_inputs(func, x, tv)
@@ -460,6 +473,8 @@ class KalmanOpBase(FusedOp):
     __props__ = ("time_varying", "cov_jitter", "missing_value")
 
     def __init__(self, time_varying=(False,) * 7, cov_jitter=0.0, missing_value=None):
+        """Props, normalized so that equal options give equal Ops (PyTensor merges them; entry points are
+        memoized on them)."""
         self.time_varying = tuple(bool(x) for x in time_varying)
         self.cov_jitter = float(cov_jitter)
         # NaN entries are always missing: a NaN ``missing_value`` is no extra sentinel (and a NaN prop
@@ -468,6 +483,7 @@ class KalmanOpBase(FusedOp):
         self.missing_value = None if mv is None or np.isnan(mv) else mv
 
     def _entry_args(self):
+        """The entry points' static arguments ``(tv, jitter, missing_value or 0, use_missing_value)``."""
         return _props_common(self.time_varying, self.cov_jitter, self.missing_value)
 
 
@@ -486,6 +502,7 @@ class KalmanFilter(KalmanOpBase):
 
     def __init__(self, time_varying=(False,) * 7, cov_jitter=0.0, missing_value=None, univariate="auto",
                  forecast_cov=True, covariances=True):
+        """``univariate``: ``"auto"``, True or False (else ``ValueError``); the flags as in the class docstring."""
         super().__init__(time_varying, cov_jitter, missing_value)
         if univariate not in UPDATE_MODES:
             raise ValueError(f"univariate must be 'auto', True or False, got {univariate!r}")
@@ -494,6 +511,9 @@ class KalmanFilter(KalmanOpBase):
         self.covariances = bool(covariances)
 
     def make_node(self, *inputs):
+        """Inputs ``y, a0, P0, c, d, T, Z, R, H, Q`` (core shapes :data:`IN_SIG`; the diffuse Op has ``P_inf``
+        after ``P0``), float64, validated by :func:`kalman_filter`; the 8 float64 outputs with the static n, m, p of
+        ``y`` and ``a0``."""
         inputs = [pt.as_tensor_variable(x) for x in inputs]
         y, a0 = inputs[0], inputs[1]
         n, p = y.type.shape
@@ -509,13 +529,18 @@ class KalmanFilter(KalmanOpBase):
         return Apply(self, inputs, outs)
 
     def infer_shape(self, node, input_shapes):
+        """Output shapes from ``y`` (n, p) and ``a0`` (m,): ``(), (n,), (n, m), (n, m, m), (n+1, m), (n+1, m, m),
+        (n, p), (n, p, p)``."""
         (n, p), (m,) = input_shapes[0], input_shapes[1]
         return [(), (n,), (n, m), (n, m, m), (n + 1, m), (n + 1, m, m), (n, p), (n, p, p)]
 
     def numba_fn(self, node):
+        """The jitted entry point for this Op's props (:func:`_filter_entry`)."""
         return _filter_entry(*self._entry_args(), self.univariate, self.forecast_cov, self.covariances)
 
     def pullback(self, inputs, outputs, cotangents):
+        """Cotangents of the 10 inputs from :class:`KalmanFilterGrad` (zeros when no output's cotangent is
+        connected)."""
         connected = [not isinstance(g.type, DisconnectedType) for g in cotangents]
         if not any(connected):
             return [pt.zeros_like(x) for x in inputs]
@@ -546,21 +571,28 @@ class KalmanFilterGrad(KalmanOpBase):
     )
 
     def __init__(self, time_varying=(False,) * 7, cov_jitter=0.0, missing_value=None, unused=()):
+        """``unused``: names among :data:`_SKIPPABLE` whose cotangents are not computed (they come out NaN)."""
         super().__init__(time_varying, cov_jitter, missing_value)
         self.unused = tuple(x for x in _SKIPPABLE if x in unused)
 
     def make_node(self, *inputs):
+        """Inputs: the filter's 10, ``predicted_state``, ``predicted_cov``, the 8 output cotangents; outputs: one
+        float64 cotangent per filter input, of its shape."""
         inputs = [pt.as_tensor_variable(x) for x in inputs]
         outs = [pt.tensor(dtype="float64", shape=x.type.shape) for x in inputs[:10]]
         return Apply(self, inputs, outs)
 
     def infer_shape(self, node, input_shapes):
+        """Each cotangent has its input's shape."""
         return list(input_shapes[:10])
 
     def numba_fn(self, node):
+        """The jitted entry point for this Op's props (:func:`_adjoint_entry`)."""
         return _adjoint_entry(*self._entry_args(), self.unused)
 
     def pullback(self, inputs, outputs, cotangents):
+        """Second derivatives: exact, through a Scan of the same recursion
+        (:func:`iterops.ts._kalman_second.adjoint_pullback`)."""
         # second derivatives: exact, through a Scan of the same recursion (iterops.ts._kalman_second)
         return adjoint_pullback(self, inputs, cotangents)
 
@@ -655,6 +687,7 @@ def _diffuse_runner(mv, use_mv):
 
     @numba.njit
     def run(x, P_inf):
+        """``(loglik of the diffuse steps, d = first non-diffuse step, ok, DiffuseOutputs)``."""
         (n, p), m = x.y.shape, x.a0.shape[0]
         out = diffuse_outputs(n, m, p)
         start = DiffuseStart(P_inf, np.zeros(2))
@@ -687,6 +720,8 @@ def _diffuse_filter_entry(tv: tuple, mv: float, use_mv: bool):
 
     @numba.njit
     def kalman_filter_diffuse_fn(*args):
+        """``(y, a0, P0, P_inf, c, d, T, Z, R, H, Q) ->`` the 8 outputs of :class:`KalmanFilterResult`; a shape
+        mismatch raises; failure value as in the module docstring (``loglik = -inf``)."""
         x, P_inf = _diffuse_inputs("kalman_filter(diffuse=...)", args[:11], tv)
         s, n = x.system, x.y.shape[0]
         ll, dd, ok, out = run(x, P_inf)
@@ -733,6 +768,8 @@ def _diffuse_adjoint_entry(tv: tuple, mv: float, use_mv: bool):
 
     @numba.njit
     def kalman_filter_diffuse_grad_fn(*args):
+        """``(11 inputs, predicted_state, predicted_cov, 8 output cotangents) -> the 11 inputs' cotangents``
+        (``P_inf``'s after ``P0``'s); a shape mismatch raises; every cotangent NaN if the filter failed."""
         func = "kalman_filter(diffuse=...) gradient"
         x, P_inf = _diffuse_inputs(func, args[:11], tv)
         predicted = predictions_of(func, args[11], args[12], x)
@@ -803,10 +840,13 @@ class KalmanFilterDiffuse(KalmanFilter):
     gufunc_signature = ",".join(DIFFUSE_IN_SIG) + "->" + ",".join(_OUT_SIG)
 
     def numba_fn(self, node):
+        """The jitted entry point for this Op's props (:func:`_diffuse_filter_entry`; ``cov_jitter`` is 0)."""
         tv, _, mv, use_mv = self._entry_args()
         return _diffuse_filter_entry(tv, mv, use_mv)
 
     def pullback(self, inputs, outputs, cotangents):
+        """Cotangents of the 11 inputs from :class:`KalmanFilterDiffuseGrad` (zeros when no output's cotangent
+        is connected)."""
         connected = [not isinstance(g.type, DisconnectedType) for g in cotangents]
         if not any(connected):
             return [pt.zeros_like(x) for x in inputs]
@@ -828,18 +868,23 @@ class KalmanFilterDiffuseGrad(KalmanFilterGrad):
     )
 
     def make_node(self, *inputs):
+        """Inputs: the diffuse filter's 11, ``predicted_state``, ``predicted_cov``, the 8 output cotangents;
+        outputs: one float64 cotangent per filter input, of its shape."""
         inputs = [pt.as_tensor_variable(x) for x in inputs]
         outs = [pt.tensor(dtype="float64", shape=x.type.shape) for x in inputs[:11]]
         return Apply(self, inputs, outs)
 
     def infer_shape(self, node, input_shapes):
+        """Each cotangent has its input's shape."""
         return list(input_shapes[:11])
 
     def numba_fn(self, node):
+        """The jitted entry point for this Op's props (:func:`_diffuse_adjoint_entry`)."""
         tv, _, mv, use_mv = self._entry_args()
         return _diffuse_adjoint_entry(tv, mv, use_mv)
 
     def pullback(self, inputs, outputs, cotangents):
+        """Raises ``NotImplementedError``: second derivatives of the diffuse filter are not implemented."""
         not_twice_differentiable(self, "kalman_filter(..., diffuse=...)", DIFFUSE_INPUT_NAMES)
 
 
@@ -849,6 +894,8 @@ class KalmanFilterDiffuseGrad(KalmanFilterGrad):
 
 
 def _normalize_time_varying(func, time_varying):
+    """``time_varying`` (a name or names of :data:`SYSTEM_NAMES`) as 7 bools in that order; ``ValueError``
+    naming the unknown names."""
     if isinstance(time_varying, str):
         time_varying = (time_varying,)
     tv = tuple(time_varying)
@@ -877,7 +924,7 @@ def _prepare_inputs(func, y, a0, P0, c, d, T, Z, R, H, Q, time_varying):
         d = pt.zeros(y.shape[-1:], dtype=y.type.dtype)
     mats = {}
     for name, x, is_tv in zip(SYSTEM_NAMES, (c, d, T, Z, R, H, Q), tv):
-        nd = _CORE_NDIM[name] + is_tv
+        nd = SYSTEM_NDIM[name] + is_tv
         x = as_tensor(func, name, x, min_ndim=nd)
         mats[name] = x
     out_dtype = float_dtype(y, a0, P0, *mats.values())
@@ -885,10 +932,12 @@ def _prepare_inputs(func, y, a0, P0, c, d, T, Z, R, H, Q, time_varying):
     m = a0.type.shape[-1]
 
     def require(cond, msg):
+        """Raise ``ValueError(f"{func}: {msg}")`` when ``cond`` (the condition is the failure)."""
         if cond:
             raise ValueError(f"{func}: {msg}")
 
     def eq(a, b):
+        """Static lengths that may be equal: equal, or either unknown (None)."""
         return a is None or b is None or a == b
 
     shapes = ", ".join(
@@ -916,15 +965,15 @@ def _prepare_inputs(func, y, a0, P0, c, d, T, Z, R, H, Q, time_varying):
         require(not eq(cs[0], cs[1]), what[name] + suffix)
     for name, is_tv in zip(SYSTEM_NAMES, tv):
         x = mats[name]
-        cs = x.type.shape[x.type.ndim - _CORE_NDIM[name]:]
+        cs = x.type.shape[x.type.ndim - SYSTEM_NDIM[name]:]
         require(not all(eq(a_, b_) for a_, b_ in zip(cs, expected[name])), what[name] + suffix)
         if is_tv:
-            tlen = x.type.shape[x.type.ndim - _CORE_NDIM[name] - 1]
+            tlen = x.type.shape[x.type.ndim - SYSTEM_NDIM[name] - 1]
             require(not eq(tlen, n), f"time-varying {name} must have length n_time = {n} along axis "
-                    f"{-_CORE_NDIM[name] - 1}, got {tlen}" + suffix)
+                    f"{-SYSTEM_NDIM[name] - 1}, got {tlen}" + suffix)
     f64 = lambda x: pt.cast(x, "float64") if x.type.dtype != "float64" else x  # noqa: E731
     system = [
-        f64(mats[name]) if is_tv else pt.expand_dims(f64(mats[name]), -_CORE_NDIM[name] - 1)
+        f64(mats[name]) if is_tv else pt.expand_dims(f64(mats[name]), -SYSTEM_NDIM[name] - 1)
         for name, is_tv in zip(SYSTEM_NAMES, tv)
     ]
     return [f64(y), f64(a0), f64(P0), *system], tv, out_dtype

@@ -67,7 +67,7 @@ from pytensor.graph.basic import Apply
 from pytensor.tensor.variable import TensorVariable
 
 from iterops._second_order import reverse_twice
-from iterops.reference_loops import levinson_loop, levinson_spelled_step
+from iterops.reference_loops import LEVINSON_V_UPDATES, levinson_loop, levinson_spelled_step
 from iterops._fused import FirstInputShaped, FusedOp, apply_batched, as_dtype, entry_point, register_fused_op
 from iterops._validate import as_tensor, check_at_least, check_shape, float_dtype
 from iterops.ts.ar import _static_int
@@ -131,9 +131,10 @@ def _reflect(x, k, c):
         x[m] = x[m] - c * x[m]
 
 
-#: How the loop spells the variance update (``v_update``): the kernel runs the same operations, so that
-#: cancellation near ``|kappa| = 1``, the sign of a zero ``v`` and overflow are the loop's.
-V_UPDATES = ("square", "minus", "factored")
+#: How the loop spells the variance update (``v_update``, :data:`iterops.reference_loops.LEVINSON_V_UPDATES`),
+#: in the order of the Op's ``v_form``: the kernel runs the same operations, so that cancellation near
+#: ``|kappa| = 1``, the sign of a zero ``v`` and overflow are the loop's.
+V_UPDATES = tuple(LEVINSON_V_UPDATES)
 
 
 @_njit

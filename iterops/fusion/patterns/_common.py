@@ -8,8 +8,8 @@ from pytensor.tensor.subtensor import Subtensor, indices_from_subtensor
 
 from iterops.fusion.matcher import constant_value, provably_equal
 
-__all__ = ["CONVERGENCE_STOPS", "CONVERGENCE_STOP_KINDS", "provably_equal", "is_counter_sequence", "strip_leading_slices",
-           "sequence_order", "static_square"]
+__all__ = ["CONVERGENCE_STOPS", "CONVERGENCE_STOP_KINDS", "STOP_RULES", "STOP_KINDS", "provably_equal",
+           "is_counter_sequence", "strip_leading_slices", "sequence_order", "static_square"]
 
 
 def _max_abs(d):
@@ -33,6 +33,10 @@ CONVERGENCE_STOPS = tuple(
     for _, rule in _STOP_RULES
 )
 CONVERGENCE_STOP_KINDS = tuple(kind for _ in range(2) for kind, _ in _STOP_RULES)
+#: The stop rules of a loop pattern's reference variants, in the order of its step functions: each
+#: convergence stop, then None (no stop: ``n_steps`` steps); ``STOP_KINDS[i]`` is rule ``i``'s ``stop=``.
+STOP_RULES = (*CONVERGENCE_STOPS, None)
+STOP_KINDS = (*CONVERGENCE_STOP_KINDS, None)
 
 
 def strip_leading_slices(v):

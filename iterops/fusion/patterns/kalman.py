@@ -155,15 +155,15 @@ import numpy as np
 import pytensor.tensor as pt
 from pytensor.raise_op import CheckAndRaise
 
+from iterops._constants import LOG_2PI
 from iterops.fusion.matcher import Rejection, constant_value
 from iterops.fusion.patterns._common import strip_leading_slices
 from iterops.fusion.proofs import is_psd, is_symmetric
 from iterops.fusion.registry import OneOf, Pattern, Role, one_of, register_pattern
-from iterops.ts.kalman import kalman_filter
+from iterops.ts.kalman import SYSTEM_NAMES, SYSTEM_NDIM, kalman_filter
 
 __all__: list[str] = []
 
-_LOG_2PI = float(np.log(2.0 * np.pi))
 _MVN_CONST = lambda: pt.log(2 * pt.constant(np.pi, dtype="float64"))  # noqa: E731  (as pymc-extras writes it)
 
 
@@ -250,8 +250,6 @@ def _unproven(m, names, proof, what, declare):
     return None
 
 
-_SYSTEM_NDIMS = (("c", 1), ("d", 1), ("T", 2), ("Z", 2), ("R", 2), ("H", 2), ("Q", 2))
-
 _COV_NAMES = {"P": "the initial covariance P0", "H": "the observation covariance H", "Q": "the state covariance Q"}
 
 
@@ -276,9 +274,8 @@ def _system_inputs(m):
     rows ``[:n_steps]``, those the loop reads.
     """
     o = m.outer
-    names = ("c", "d", "T", "Z", "R", "H", "Q")
-    tv = tuple(n for n in names if n in m.time_varying)
-    return [o[n][: m.n_steps] if n in m.time_varying else o[n] for n in names], tv
+    tv = tuple(n for n in SYSTEM_NAMES if n in m.time_varying)
+    return [o[n][: m.n_steps] if n in m.time_varying else o[n] for n in SYSTEM_NAMES], tv
 
 
 def _build_pymc_extras(m):
@@ -319,7 +316,7 @@ register_pattern(Pattern(
     step=(_pymc_extras_step,),
     sequences=(Role("y", 1),),
     states=(Role("a", 1), Role("P", 2)),
-    non_sequences=(*(Role(n, k, time_varying_ok=True) for n, k in _SYSTEM_NDIMS),
+    non_sequences=(*(Role(n, k, time_varying_ok=True) for n, k in SYSTEM_NDIM.items()),
                    Role("jitter", 0, constant_ok=True), Role("fill", 0, constant_ok=True)),
     outputs=(Role("a_filtered", 1), Role("y_hat", 1), Role("P_filtered", 2), Role("F", 2), Role("ll", 0)),
     provides={"a": "trace", "P": "trace"},
@@ -453,7 +450,7 @@ def _check_textbook(m):
             continue  # a spelling without this constant (log det(2 pi F), pm.logp)
         if p is None:
             return "the observation dimension p (y's last axis) is not static, so p log(2 pi) cannot be checked"
-        c, want = _static_float(m, name), factor * p * _LOG_2PI
+        c, want = _static_float(m, name), factor * p * LOG_2PI
         if c is None or not np.isclose(c, want, rtol=1e-6 if m.dtype == "float32" else 1e-12, atol=0):
             what = "p log(2 pi)" if factor == 1.0 else "-p log(2 pi) / 2"
             return f"the log-likelihood constant {c} is not {what} = {want} for p = {p}"

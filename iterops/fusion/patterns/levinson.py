@@ -52,13 +52,10 @@ from pytensor.tensor.subtensor import Subtensor, indices_from_subtensor
 from iterops.fusion.matcher import constant_value
 from iterops.fusion.patterns._common import is_counter_sequence
 from iterops.fusion.registry import Pattern, Role, one_of, register_pattern
-from iterops.ts.levinson_recursion import levinson_recursion
+from iterops.reference_loops import LEVINSON_V_UPDATES
+from iterops.ts.levinson_recursion import V_UPDATES, levinson_recursion
 
 __all__: list[str] = []
-
-
-#: The variance updates, in the order of the pattern's variants (``levinson_recursion(v_update=...)``).
-V_UPDATES = ("square", "minus", "factored")
 
 
 def _step(v_update):
@@ -68,9 +65,7 @@ def _step(v_update):
         kappa = (gamma[k + 1] - acc) / v
         new_phi = pt.set_subtensor(phi[:k], phi[:k] - kappa * phi[:k][::-1])
         new_phi = pt.set_subtensor(new_phi[k], kappa)
-        new_v = {"square": lambda: v * (1 - kappa**2), "minus": lambda: v - kappa**2 * v,
-                 "factored": lambda: v * (1 - kappa) * (1 + kappa)}[v_update]()
-        return new_phi, new_v, kappa
+        return new_phi, LEVINSON_V_UPDATES[v_update](v, kappa), kappa
 
     return step
 

@@ -75,7 +75,7 @@ from __future__ import annotations
 import pytensor.tensor as pt
 from pytensor.scan.utils import until
 
-from iterops.fusion.patterns._common import CONVERGENCE_STOPS, CONVERGENCE_STOP_KINDS, static_square
+from iterops.fusion.patterns._common import STOP_KINDS, STOP_RULES, static_square
 from iterops.fusion.registry import Pattern, Role, register_pattern
 from iterops.linalg.lyapunov_iteration import lyapunov_fixed_point_loop, smith_doubling_loop
 
@@ -83,6 +83,9 @@ __all__: list[str] = []
 
 
 def _doubling_step(stop):
+    if stop is None:
+        return _doubling_step_no_stop
+
     def step(alpha, gamma, tol):
         new_gamma = gamma + alpha @ gamma @ alpha.T
         return (alpha @ alpha, new_gamma), until(stop(new_gamma, gamma, tol))
@@ -94,10 +97,6 @@ def _doubling_step_no_stop(alpha, gamma, tol):
     return alpha @ alpha, gamma + alpha @ gamma @ alpha.T
 
 
-#: the stop rule of each reference variant (the last has none)
-_DOUBLING_STOPS = (*CONVERGENCE_STOP_KINDS, None)
-
-
 def _check_doubling(m):
     return static_square("A (alpha's initial value)", m.outer["alpha"]) or static_square(
         "Q (gamma's initial value)", m.outer["gamma"])
@@ -105,14 +104,14 @@ def _check_doubling(m):
 
 def _build_doubling(m):
     alpha, gamma = smith_doubling_loop(m.outer["alpha"], m.outer["gamma"], m.outer.get("tol", 0.0), m.n_steps,
-                                       stop=_DOUBLING_STOPS[m.variant])
+                                       stop=STOP_KINDS[m.variant])
     return {"alpha": alpha, "gamma": gamma}
 
 
 register_pattern(Pattern(
     name="lyapunov_doubling",
     replaces_with="iterops.linalg.smith_doubling_loop",
-    step=(*(_doubling_step(s) for s in CONVERGENCE_STOPS), _doubling_step_no_stop),
+    step=tuple(_doubling_step(s) for s in STOP_RULES),
     states=(Role("alpha", 2), Role("gamma", 2)),
     non_sequences=(Role("tol", 0, constant_ok=True),),
     provides={"alpha": "last", "gamma": "last"},
@@ -141,10 +140,8 @@ def _fixed_point_step(stop, transposed=False):
     return step
 
 
-#: the stop rule of each reference variant (the last has none)
-_FIXED_POINT_STOPS = (*CONVERGENCE_STOP_KINDS, None)
 #: (transposed, stop kind) of each reference variant of the undamped fixed point, in the order of the step functions
-_FIXED_POINT_VARIANTS = tuple((t, kind) for t in (False, True) for kind in _FIXED_POINT_STOPS)
+_FIXED_POINT_VARIANTS = tuple((t, kind) for t in (False, True) for kind in STOP_KINDS)
 
 
 def _check_fixed_point(m):
@@ -161,7 +158,7 @@ def _build_fixed_point(m):
 register_pattern(Pattern(
     name="lyapunov_fixed_point",
     replaces_with="iterops.linalg.lyapunov_fixed_point_loop",
-    step=tuple(_fixed_point_step(stop, t) for t in (False, True) for stop in (*CONVERGENCE_STOPS, None)),
+    step=tuple(_fixed_point_step(stop, t) for t in (False, True) for stop in STOP_RULES),
     states=(Role("X", 2),),
     non_sequences=(Role("A", 2), Role("Q", 2), Role("tol", 0, constant_ok=True)),
     provides={"X": "last"},
@@ -192,9 +189,8 @@ def _damped_step(form, stop):
 
 
 _DAMPED_FORMS = ("convex", "increment")
-_DAMPED_STOP_RULES = (*CONVERGENCE_STOPS, None)
 #: (form, stop kind) of each reference variant, in the order of the step functions
-_DAMPED_VARIANTS = tuple((form, kind) for form in _DAMPED_FORMS for kind in _FIXED_POINT_STOPS)
+_DAMPED_VARIANTS = tuple((form, kind) for form in _DAMPED_FORMS for kind in STOP_KINDS)
 
 
 def _build_damped(m):
@@ -208,7 +204,7 @@ def _build_damped(m):
 register_pattern(Pattern(
     name="lyapunov_damped_fixed_point",
     replaces_with="iterops.linalg.lyapunov_fixed_point_loop(..., w=w)",
-    step=tuple(_damped_step(form, stop) for form in _DAMPED_FORMS for stop in _DAMPED_STOP_RULES),
+    step=tuple(_damped_step(form, stop) for form in _DAMPED_FORMS for stop in STOP_RULES),
     states=(Role("X", 2),),
     non_sequences=(Role("A", 2), Role("Q", 2), Role("w", 0, constant_ok=True), Role("tol", 0, constant_ok=True)),
     provides={"X": "last"},
