@@ -23,7 +23,9 @@ and, for entry points, ``call(*args)`` packing ``fn``'s arguments for it.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import types
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -150,8 +152,9 @@ class Barrier:
 
     * ``kernel``: the :class:`iterops._fused.OpaqueKernel` (signature :data:`SIGNATURE`) whose function is a copy of
       :func:`_barrier` named ``fn``'s name and ``tag``: ``fn(*abi.unpack(ptrs, dims, vals))`` as a float64.  A copy
-      per barrier, as Numba caches one cfunc per function: on disk under its name, with the package's kernel cache
-      (its source stamp, :class:`iterops._fused.PackageCacheLocator`); so ``(fn, tag)`` names one barrier.
+      per barrier, as Numba caches one cfunc per function: on disk in the package's kernel cache (stamped with
+      :data:`iterops._fused.PACKAGE_DIGEST`), under its name and a hash of ``fn``'s file and of ``abi``'s
+      generated code, which Numba's own stamp (the template's file) does not see; ``(fn, tag)`` names one barrier.
     * ``call``: a jitted ``call(*args) -> float`` for entry points, ``args`` as ``fn`` takes them: packed
       (:meth:`Abi.pack`), passed to the kernel, kept alive past the call.  Built on first use, which compiles the
       kernel (or loads it from the cache) and registers its symbol, as an entry point's construction must.
@@ -166,7 +169,9 @@ class Barrier:
             raise ValueError(f"Barrier {key} is defined twice (Numba would cache both under one name)")
         Barrier._names[key] = self
         pyfunc = types.FunctionType(_barrier.__code__, {**_barrier.__globals__, "fn": fn, "unpack": abi.unpack}, name)
-        pyfunc.__qualname__, pyfunc.__module__ = key, fn.__module__
+        source = Path(inspect.getsourcefile(getattr(fn, "py_func", fn))).read_bytes() + abi.source.encode()
+        pyfunc.__qualname__ = f"{key}_{hashlib.sha256(source).hexdigest()[:16]}"  # names the cache file
+        pyfunc.__module__ = fn.__module__
         self.abi, self.kernel = abi, _AbiKernel(SIGNATURE, pyfunc, abi)
         self._call = None
 

@@ -1,6 +1,10 @@
 """The C-ABI boundary generated from NamedTuples (iterops._abi): arrays of declared dtypes cross it as they are,
 and a kernel behind it is listed by its arrays' dtypes.  Oracles: NumPy on the same arrays; the dtypes declared."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import NamedTuple
 
 import numba
@@ -61,3 +65,58 @@ def test_default_warmup_holds_no_float32_kernel():
     from iterops.warmup import _selected  # noqa: PLC0415
 
     assert [k.name for k in _selected(False) if "32" in k.name] == []
+
+
+_PROBE_FN = '''
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import numba
+import numpy as np
+
+
+class V(NamedTuple):
+    x: np.ndarray
+
+
+@numba.njit
+def fn(v):
+    return v.x.sum() * {factor}
+'''
+
+_PROBE = '''
+import sys
+
+import numpy as np
+
+sys.path.insert(0, sys.argv[1])
+import probe_fn
+from iterops._abi import Abi, Barrier, Struct
+
+barrier = Barrier(probe_fn.fn, Abi(v=Struct(probe_fn.V, x=1)), "probe")
+print(barrier.call(probe_fn.V(np.ones(3))))
+'''
+
+
+def test_an_edited_kernel_outside_the_package_is_not_served_stale(tmp_path):
+    """A Barrier's kernel is cached on disk; Numba stamps it with the file of the function it compiles (the template
+    in iterops._abi) and iterops with the package's sources, neither of which sees ``fn``'s own file when it lies
+    outside them.  Editing ``fn`` must recompile: the value of the edited code, not the cached one (oracle: the
+    edit's arithmetic, 3 * 2 then 3 * 3)."""
+    (tmp_path / "probe_fn.py").write_text(_PROBE_FN.format(factor="2.0"))
+    (tmp_path / "probe.py").write_text(_PROBE)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": str(Path(iterops.__file__).parent.parent)}
+
+    def run():
+        out = subprocess.run([sys.executable, str(tmp_path / "probe.py"), str(tmp_path)], env=env,
+                             capture_output=True, text=True, check=True)
+        return float(out.stdout.split()[-1])
+
+    assert run() == 6.0
+    assert any((tmp_path / "cache").rglob("*.nbi"))  # cached: a second run would load it
+    (tmp_path / "probe_fn.py").write_text(_PROBE_FN.format(factor="3.0"))
+    assert run() == 9.0
