@@ -205,9 +205,12 @@ class OpaqueKernel:
     #: on-disk cache (``None`` before).
     from_cache: bool | None = None
 
-    def __init__(self, signature, pyfunc, tag: str = ""):
+    def __init__(self, signature, pyfunc, tag: str = "", dtype: str = "float64"):
         self.signature = signature
         self.pyfunc = pyfunc
+        #: the dtype of its arrays: for a kernel on :data:`iterops._abi.SIGNATURE`, its :class:`~iterops._abi.Abi`'s
+        #: (the signature's pointers do not show it)
+        self.dtype = dtype
         name = f"{pyfunc.__module__}.{pyfunc.__name__}{tag}".replace(".", "_")
         self.name = f"{pyfunc.__module__}.{pyfunc.__name__}{tag}"
         # the digest covers every module the kernel may call into; ``tag``: one pyfunc, several signatures
@@ -220,10 +223,11 @@ class OpaqueKernel:
 
     @property
     def float64_only(self) -> bool:
-        """True when every pointer argument is float64 or int64 (the kernels PyMC models reach by
-        default; float32 and complex variants are compiled when first used)."""
+        """True when :attr:`dtype` is float64 and every pointer argument is float64 or int64 (the kernels PyMC
+        models reach by default; float32 and complex variants are compiled when first used)."""
         ok = {numba.types.float64, numba.types.int64}
-        return all(a.dtype in ok for a in self.signature.args if isinstance(a, numba.types.CPointer))
+        pointers = (a for a in self.signature.args if isinstance(a, numba.types.CPointer))
+        return self.dtype == "float64" and all(a.dtype in ok for a in pointers)
 
     def _cfunc(self):
         from numba.core.ccallback import CFunc
@@ -312,11 +316,11 @@ class LazyKernel(OpaqueKernel):
     goes straight to the machine code.  The callback takes the GIL (ctypes does), so a first call
     from a thread that does not hold it (nutpie's) works too; if compiling fails the callback
     returns 0, which a caller must treat as failure (a kernel's "not solved": NaN, never a crash).
-    Only pointer, integer and float arguments and an integer result are supported.
+    Only pointer, integer and float arguments and an integer or float result are supported.
     """
 
-    def __init__(self, signature, pyfunc, tag: str = ""):
-        super().__init__(signature, pyfunc, tag)
+    def __init__(self, signature, pyfunc, tag: str = "", dtype: str = "float64"):
+        super().__init__(signature, pyfunc, tag, dtype)
         self._lock = threading.Lock()
         self._compiled = None
         c_args = [ctypes.c_void_p if isinstance(a, numba.types.CPointer) else to_ctypes(a) for a in signature.args]
@@ -375,9 +379,9 @@ def _indirect_call(cell_symbol: str, signature):
     return intrinsic(namespace["call"])
 
 
-def opaque_kernel(signature):
-    """Decorator: ``@opaque_kernel(sig)`` turns a function into an :class:`OpaqueKernel`."""
-    return lambda pyfunc: OpaqueKernel(signature, pyfunc)
+def opaque_kernel(signature, dtype: str = "float64"):
+    """Decorator: ``@opaque_kernel(sig)`` turns a function into an :class:`OpaqueKernel` (of ``dtype`` arrays)."""
+    return lambda pyfunc: OpaqueKernel(signature, pyfunc, dtype=dtype)
 
 
 @intrinsic

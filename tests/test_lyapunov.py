@@ -279,6 +279,19 @@ def test_property_random_stable(solvers, n, rho, seed):
     np.testing.assert_allclose(x, sla.solve_discrete_lyapunov(a, q), rtol=1e-8, atol=1e-10 * np.max(np.abs(x)))
 
 
+def test_default_warmup_selects_the_float64_kernels_only():
+    """``python -m iterops.warmup`` (float64: what PyMC models reach) compiles the float64 solver and its Schur
+    fallback, not their complex128 twins, although every kernel on the C-ABI signature takes float64 pointers:
+    the kernel's dtype is its declaration's.  ``--all-dtypes`` selects them too."""
+    from iterops.linalg.lyapunov import _ABI, _SCHUR_ABI
+    from iterops.warmup import _selected
+
+    default, every = _selected(all_dtypes=False), _selected(all_dtypes=True)
+    assert _ABI["float64"] in default and _SCHUR_ABI["float64"] in default
+    assert _ABI["complex128"] not in default and _SCHUR_ABI["complex128"] not in default
+    assert _ABI["complex128"] in every and _SCHUR_ABI["complex128"] in every
+
+
 @pytest.mark.parametrize(
     "A, Q, match",
     [

@@ -8,7 +8,14 @@ Solves
 :func:`pytensor.tensor.linalg.solve_discrete_lyapunov`).  For a stable ``A``
 (spectral radius below one) the solution is the infinite sum
 :math:`X = \sum_k A^k Q (A^H)^k`: the stationary covariance of
-``x_{t+1} = A x_t + e_t`` with ``Cov(e) = Q``.
+``x_{t+1} = A x_t + e_t`` with ``Cov(e) = Q``.  Shapes: ``A``, ``Q`` (..., n, n) -> ``X`` (..., n, n).
+
+Code map, in reading order: the C-ABI declarations (:data:`LYAPUNOV_ABI`, :data:`SCHUR_ABI`: one
+:class:`iterops._abi.Abi` per working dtype, float64 and complex128); the kernel (:func:`_doubling`,
+:func:`_schur`, :func:`lyapunov_kernel`) with its Schur fallback behind :data:`_SCHUR_ABI`; the C-ABI kernels
+(:data:`_ABI`: :func:`_lyapunov_abi`, :func:`_lyapunov_abi_complex`) and the entry point; the Op
+:class:`DiscreteLyapunov` and its implicit gradient; :func:`solve_discrete_lyapunov`; the rewrite
+:func:`builtin_lyapunov_to_fused`.
 
 Methods
 -------
@@ -38,7 +45,11 @@ Compile time: the Schur method (LAPACK's complex Schur wrapper, complex
 products) is half of the solver's machine code and most inputs never need it,
 so it sits in a C-ABI function of its own that is compiled the first time an
 input needs it (:class:`iterops._fused.LazyKernel`): same machine code, same
-results, paid only by a model that reaches the fallback.
+results, paid only by a model that reaches the fallback.  Both C-ABI functions
+have the one signature :data:`iterops._abi.SIGNATURE`; their arguments are
+declared once as NamedTuples (:class:`LyapunovInputs`, :class:`LyapunovOptions`,
+:class:`Solution`), and the complex128 twins are compiled only when first used
+(``python -m iterops.warmup --all-dtypes`` compiles them ahead of time).
 
 Failure is a value: non-finite input, an (almost) singular equation
 (``|lambda_i conj(lambda_j) - 1| < 1e3 * eps``), or non-convergence give an
@@ -63,7 +74,7 @@ solves ``A dX A^H - dX + (dA X A^H + A X dA^H + dQ) = 0`` with the same Op.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numba
 from numba import types
@@ -76,8 +87,9 @@ from pytensor.link.numba.dispatch.linalg.decomposition.schur import schur_comple
 from pytensor.tensor.linalg.solvers.linear_control import SolveBilinearDiscreteLyapunov
 from pytensor.tensor.variable import TensorVariable
 
+from iterops._abi import SIGNATURE, Abi, Struct
 from iterops._fused import (
-    F64P, FusedOp, LazyKernel, OpaqueKernel, apply_batched, data_ptr, entry_point, keep_alive, register_fused_op,
+    FusedOp, LazyKernel, apply_batched, data_ptr, entry_point, keep_alive, opaque_kernel, register_fused_op,
 )
 from iterops._implicit import implicit_pullback, implicit_pushforward
 from iterops._linalg_kernels import copy_into, mm
@@ -87,6 +99,44 @@ __all__ = ["solve_discrete_lyapunov", "DiscreteLyapunov", "lyapunov_kernel", "bu
 
 _METHODS = {"auto": 0, "doubling": 1, "schur": 2}
 _ON_FAILURE = ("nan", "raise")
+
+
+class LyapunovInputs(NamedTuple):
+    """The equation ``A X A^H - X + Q = 0`` of one system (float64 or complex128, C-contiguous)."""
+
+    A: np.ndarray  #: (n, n)
+    Q: np.ndarray  #: (n, n)
+
+
+class LyapunovOptions(NamedTuple):
+    """The solver's static options, as :func:`lyapunov_kernel` takes them."""
+
+    method: int  #: 0 auto, 1 doubling, 2 schur (:data:`_METHODS`)
+    tol: float  #: relative stopping tolerance of the doubling; ``<= 0``: machine precision
+    max_iter: int  #: doubling steps at most
+
+
+class Solution(NamedTuple):
+    """An equation solver's result, written by its C-ABI kernel (all-NaN when not solved)."""
+
+    X: np.ndarray  #: (n, n)
+
+
+LYAPUNOV_INPUTS = Struct(LyapunovInputs, A=2, Q=2)
+SOLUTION = Struct(Solution, X=2)
+#: the working dtypes of the C-ABI kernels (float32 and integer inputs are solved in float64)
+_WORK_DTYPES = ("float64", "complex128")
+#: the arguments of :func:`_lyapunov_abi` per working dtype (the dtype of its arrays; scalars cross as float64)
+LYAPUNOV_ABI = {
+    d: Abi(dtype=d, inputs=LYAPUNOV_INPUTS, options=Struct(LyapunovOptions, method="i", tol="f", max_iter="i"),
+           out=SOLUTION)
+    for d in _WORK_DTYPES
+}
+#: the arguments of the Schur fallback :func:`_schur_abi` per working dtype
+SCHUR_ABI = {d: Abi(dtype=d, inputs=LYAPUNOV_INPUTS, out=SOLUTION) for d in _WORK_DTYPES}
+# the unpackers, as globals that jitted code can call
+_lyapunov_args, _lyapunov_args_complex = (LYAPUNOV_ABI[d].unpack for d in _WORK_DTYPES)
+_schur_args, _schur_args_complex = (SCHUR_ABI[d].unpack for d in _WORK_DTYPES)
 
 # ---------------------------------------------------------------------------
 # Kernel (the single implementation)
@@ -197,26 +247,40 @@ def _as_dtype_of_impl(Z, like):
     return lambda Z, like: Z.real
 
 
-def _schur_abi(A, Q, X, n):
-    """C-ABI Schur solve (:func:`_schur`) for :class:`iterops._fused.LazyKernel`: writes ``X`` (the
-    real part for a real ``A``; all-NaN on failure), returns 1 if solved and finite."""
-    Xo = numba.carray(X, (n, n))
-    Xs, ok = _schur(numba.carray(A, (n, n)), numba.carray(Q, (n, n)))
+@numba.njit(cache=True, inline="always")
+def _schur_into(x, out):
+    """:func:`_schur` of the :class:`LyapunovInputs` ``x`` into ``out.X`` (the real part for a real ``A``;
+    all-NaN on failure); 1.0 if solved and finite, else 0.0."""
+    Xo = out.X
+    Xs, ok = _schur(x.A, x.Q)
     if ok:
         copy_into(_as_dtype_of(Xs, Xo), Xo)
         ok = _all_finite(Xo)
     if not ok:
-        for i in range(n):
-            for j in range(n):
+        for i in range(Xo.shape[0]):
+            for j in range(Xo.shape[1]):
                 Xo[i, j] = np.nan
-    return 1 if ok else 0
+    return 1.0 if ok else 0.0
+
+
+def _schur_abi(ptrs, dims, vals):
+    """C-ABI Schur solve (:func:`_schur_into`) for :class:`iterops._fused.LazyKernel`, float64 (arguments:
+    :data:`SCHUR_ABI`): writes ``out.X``, returns 1.0 if solved and finite, else 0.0 (also when compiling fails)."""
+    x, out = _schur_args(ptrs, dims, vals)
+    return _schur_into(x, out)
+
+
+def _schur_abi_complex(ptrs, dims, vals):
+    """:func:`_schur_abi` for complex128 arrays."""
+    x, out = _schur_args_complex(ptrs, dims, vals)
+    return _schur_into(x, out)
 
 
 #: The Schur fallback, compiled when an input first needs it (most models never do: the doubling
 #: iteration solves every stable ``A`` not too close to the unit circle), one per working dtype.
 _SCHUR_ABI = {
-    name: LazyKernel(types.int64(ptr, ptr, ptr, types.int64), _schur_abi, tag=name)
-    for name, ptr in (("float64", F64P), ("complex128", types.CPointer(types.complex128)))
+    "float64": LazyKernel(SIGNATURE, _schur_abi),
+    "complex128": LazyKernel(SIGNATURE, _schur_abi_complex, dtype="complex128"),
 }
 
 
@@ -228,14 +292,15 @@ def _schur_solve(A, Q):
 
 @overload(_schur_solve)
 def _schur_solve_impl(A, Q):
-    abi = _SCHUR_ABI[str(A.dtype)].external
+    abi, pack = _SCHUR_ABI[str(A.dtype)].external, SCHUR_ABI[str(A.dtype)].pack
 
     def impl(A, Q):
         n = A.shape[0]
-        X = np.empty((n, n), dtype=A.dtype)
-        ok = abi(data_ptr(A), data_ptr(Q), data_ptr(X), n) == 1
-        keep_alive((A, Q, X))
-        return X, ok
+        x, out = LyapunovInputs(A, Q), Solution(np.empty((n, n), dtype=A.dtype))
+        ptrs, dims, vals = pack(x, out)
+        ok = abi(data_ptr(ptrs), data_ptr(dims), data_ptr(vals)) == 1.0
+        keep_alive((x, out, ptrs, dims, vals))
+        return out.X, ok
 
     return impl
 
@@ -286,44 +351,58 @@ def lyapunov_kernel(A, Q, method, tol, max_iter):
 # ---------------------------------------------------------------------------
 
 
-def _lyapunov_abi(A, Q, X, n, method, tol, max_iter):
-    """C-ABI barrier around :func:`lyapunov_kernel` (see :class:`iterops._fused.OpaqueKernel`):
-    writes X, returns 1 if solved.  The kernel is ``inline="always"``: compiled once, here (a kernel
-    compiled on its own would be optimized and compiled to machine code twice, once more in this
-    function that links it).  Its Schur fallback is a call into :data:`_SCHUR_ABI`, compiled on
-    first use."""
-    Xs, ok = lyapunov_kernel(numba.carray(A, (n, n)), numba.carray(Q, (n, n)), method, tol, max_iter)
-    copy_into(Xs, numba.carray(X, (n, n)))
-    return 1 if ok else 0
+@numba.njit(cache=True, inline="always")
+def _solve_into(x, options, out):
+    """:func:`lyapunov_kernel` of the :class:`LyapunovInputs` ``x`` into ``out.X``; 1.0 if solved, else 0.0."""
+    Xs, ok = lyapunov_kernel(x.A, x.Q, options.method, options.tol, options.max_iter)
+    copy_into(Xs, out.X)
+    return 1.0 if ok else 0.0
 
 
-_ABI = {
-    name: OpaqueKernel(
-        types.int64(ptr, ptr, ptr, types.int64, types.int64, types.float64, types.int64), _lyapunov_abi, tag=name
-    )
-    for name, ptr in (("float64", F64P), ("complex128", types.CPointer(types.complex128)))
-}
+@opaque_kernel(SIGNATURE)
+def _lyapunov_abi(ptrs, dims, vals):
+    """C-ABI barrier around :func:`lyapunov_kernel` (see :class:`iterops._fused.OpaqueKernel`), float64
+    (arguments: :data:`LYAPUNOV_ABI`): writes ``out.X``, returns 1.0 if solved.  The kernel is
+    ``inline="always"``: compiled once, here (a kernel compiled on its own would be optimized and compiled to
+    machine code twice, once more in this function that links it).  Its Schur fallback is a call into
+    :data:`_SCHUR_ABI`, compiled on first use."""
+    x, options, out = _lyapunov_args(ptrs, dims, vals)
+    return _solve_into(x, options, out)
+
+
+@opaque_kernel(SIGNATURE, dtype="complex128")
+def _lyapunov_abi_complex(ptrs, dims, vals):
+    """:func:`_lyapunov_abi` for complex128 arrays."""
+    x, options, out = _lyapunov_args_complex(ptrs, dims, vals)
+    return _solve_into(x, options, out)
+
+
+#: the solver's C-ABI kernel per working dtype
+_ABI = {"float64": _lyapunov_abi, "complex128": _lyapunov_abi_complex}
 
 
 @entry_point
 def _lyapunov_entry(work_dtype: str, out_dtype: str, method: int, tol: float, max_iter: int, raise_: bool):
+    """Entry point of :class:`DiscreteLyapunov`: ``(A, Q) -> X``, all (n, n); checks the shapes (``ValueError``),
+    solves in ``work_dtype`` through :data:`_ABI` and returns ``out_dtype``.  Not solved: all-NaN ``X``, or
+    ``FloatingPointError`` with ``raise_``."""
     work = np.dtype(work_dtype).type
-    out = np.dtype(out_dtype).type
-    abi = _ABI[work_dtype].external
+    out_type = np.dtype(out_dtype).type
+    abi, pack = _ABI[work_dtype].external, LYAPUNOV_ABI[work_dtype].pack
 
     @numba.njit
     def solve(A, Q):
         n = A.shape[0]
         check_shape("solve_discrete_lyapunov", "A", A, "(n, n), n = A.shape[0]", (n, n))
         check_shape("solve_discrete_lyapunov", "Q", Q, "(n, n), n = A.shape[0]", (n, n))
-        A_ = np.ascontiguousarray(A.astype(work))
-        Q_ = np.ascontiguousarray(Q.astype(work))
-        X = np.empty((n, n), dtype=work)
-        ok = abi(data_ptr(A_), data_ptr(Q_), data_ptr(X), n, method, tol, max_iter) == 1
-        keep_alive((A_, Q_, X))
+        x = LyapunovInputs(np.ascontiguousarray(A.astype(work)), np.ascontiguousarray(Q.astype(work)))
+        out = Solution(np.empty((n, n), dtype=work))
+        ptrs, dims, vals = pack(x, LyapunovOptions(method, tol, max_iter), out)
+        ok = abi(data_ptr(ptrs), data_ptr(dims), data_ptr(vals)) == 1.0
+        keep_alive((x, out, ptrs, dims, vals))
         if raise_ and not ok:
             raise FloatingPointError("solve_discrete_lyapunov: no (unique, finite) solution found")
-        return X.astype(out)
+        return out.X.astype(out_type)
 
     return solve
 

@@ -10,7 +10,13 @@ steady-state predicted covariance of a Kalman filter for ``x_{t+1} = F x_t + w_t
 (and the cost-to-go of the infinite-horizon LQR problem with ``A``, ``B``, ``Q``, ``R``).
 ``Q`` and ``R`` enter through their symmetric parts ``(Q + Q^T) / 2``, ``(R + R^T) / 2``.
 *Stabilising* means that the closed-loop matrix ``A - B K``,
-``K = (R + B^T X B)^{-1} B^T X A``, has spectral radius below one.
+``K = (R + B^T X B)^{-1} B^T X A``, has spectral radius below one.  Shapes: ``A`` (..., n, n),
+``B`` (..., n, m), ``Q`` (..., n, n), ``R`` (..., m, m) -> ``X`` (..., n, n).
+
+Code map, in reading order: the kernel (:func:`_sda_step`, :func:`_sda`, :func:`_gain_and_residual`,
+:func:`dare_kernel`); its C-ABI function :func:`_dare_abi` (arguments declared once in :data:`DARE_ABI`, on the
+one signature :data:`iterops._abi.SIGNATURE`) and the entry point; the Op :class:`DiscreteARE` with its
+residual and closed loop (the implicit gradient); :func:`solve_discrete_are`.
 
 Algorithm: the structure-preserving doubling algorithm (SDA; Chu, Fan & Lin 2005,
 "A structure-preserving doubling algorithm for continuous-time algebraic Riccati
@@ -58,20 +64,22 @@ computed with :func:`iterops.solve_discrete_lyapunov`; the cotangents of ``A``, 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba
 import numpy as np
-from numba import types
 import pytensor.tensor as pt
 from pytensor.graph.basic import Apply
 from pytensor.tensor.variable import TensorVariable
 
+from iterops._abi import SIGNATURE, Abi, Struct
 from iterops._fused import (
-    F64P, FusedOp, OpaqueKernel, apply_batched, data_ptr, entry_point, keep_alive, register_fused_op,
+    FusedOp, apply_batched, data_ptr, entry_point, keep_alive, opaque_kernel, register_fused_op,
 )
 from iterops._implicit import implicit_pullback, implicit_pushforward
 from iterops._linalg_kernels import converged, copy_into, mm, sym_inplace, sym_into
 from iterops._validate import as_tensor, check_dim_match, check_shape, check_square, float_dtype
-from iterops.linalg.lyapunov import _all_finite, _ct, solve_discrete_lyapunov
+from iterops.linalg.lyapunov import SOLUTION, Solution, _all_finite, _ct, solve_discrete_lyapunov
 
 __all__ = ["solve_discrete_are", "DiscreteARE", "dare_kernel"]
 
@@ -248,26 +256,47 @@ def dare_kernel(A, B, Q, R, tol, max_iter):
 # ---------------------------------------------------------------------------
 
 
-def _dare_abi(A, B, Q, R, X, n, m, tol, max_iter):
-    """C-ABI barrier around :func:`dare_kernel` (see :class:`iterops._fused.OpaqueKernel`): writes X,
-    returns 1 if solved.  Called directly, the kernel (LU solves, an eigenvalue check) would be
-    compiled into every new graph again.  The kernel is ``inline="always"``, so it is compiled once,
-    here, not a second time on its own."""
-    Xs, ok = dare_kernel(
-        numba.carray(A, (n, n)), numba.carray(B, (n, m)), numba.carray(Q, (n, n)), numba.carray(R, (m, m)),
-        tol, max_iter,
-    )
-    copy_into(Xs, numba.carray(X, (n, n)))
-    return 1 if ok else 0
+class DareInputs(NamedTuple):
+    """The equation of one system (float64, C-contiguous)."""
+
+    A: np.ndarray  #: (n, n)
+    B: np.ndarray  #: (n, m)
+    Q: np.ndarray  #: (n, n)
+    R: np.ndarray  #: (m, m)
 
 
-_ABI = OpaqueKernel(types.int64(F64P, F64P, F64P, F64P, F64P, types.int64, types.int64, types.float64, types.int64), _dare_abi)
+class DareOptions(NamedTuple):
+    """The solver's static options, as :func:`dare_kernel` takes them."""
+
+    tol: float  #: relative stopping tolerance of the doubling; ``<= 0``: ``1e2 * eps``
+    max_iter: int  #: doubling steps at most
+
+
+#: the arguments of :func:`_dare_abi`
+DARE_ABI = Abi(inputs=Struct(DareInputs, A=2, B=2, Q=2, R=2), options=Struct(DareOptions, tol="f", max_iter="i"),
+               out=SOLUTION)
+_dare_args = DARE_ABI.unpack
+
+
+@opaque_kernel(SIGNATURE)
+def _dare_abi(ptrs, dims, vals):
+    """C-ABI barrier around :func:`dare_kernel` (see :class:`iterops._fused.OpaqueKernel`; arguments:
+    :data:`DARE_ABI`): writes ``out.X``, returns 1.0 if solved, else 0.0.  Called directly, the kernel (LU
+    solves, an eigenvalue check) would be compiled into every new graph again.  The kernel is
+    ``inline="always"``, so it is compiled once, here, not a second time on its own."""
+    x, options, out = _dare_args(ptrs, dims, vals)
+    Xs, ok = dare_kernel(x.A, x.B, x.Q, x.R, options.tol, options.max_iter)
+    copy_into(Xs, out.X)
+    return 1.0 if ok else 0.0
 
 
 @entry_point
 def _dare_entry(out_dtype: str, tol: float, max_iter: int):
-    out = np.dtype(out_dtype).type
-    abi = _ABI.external
+    """Entry point of :class:`DiscreteARE`: ``(A (n, n), B (n, m), Q (n, n), R (m, m)) -> X (n, n)``; checks the
+    shapes (``ValueError``), solves in float64 through :func:`_dare_abi` and returns ``out_dtype``; all-NaN ``X``
+    when not solved."""
+    out_type = np.dtype(out_dtype).type
+    abi, pack = _dare_abi.external, DARE_ABI.pack
 
     @numba.njit
     def solve(A, B, Q, R):
@@ -276,14 +305,13 @@ def _dare_entry(out_dtype: str, tol: float, max_iter: int):
         check_shape("solve_discrete_are", "B", B, "(n, m), n = A.shape[0], m = R.shape[0]", (n, m))
         check_shape("solve_discrete_are", "Q", Q, "(n, n), n = A.shape[0]", (n, n))
         check_shape("solve_discrete_are", "R", R, "(m, m), m = R.shape[0]", (m, m))
-        A_ = np.ascontiguousarray(A.astype(np.float64))
-        B_ = np.ascontiguousarray(B.astype(np.float64))
-        Q_ = np.ascontiguousarray(Q.astype(np.float64))
-        R_ = np.ascontiguousarray(R.astype(np.float64))
-        X = np.empty((n, n))
-        abi(data_ptr(A_), data_ptr(B_), data_ptr(Q_), data_ptr(R_), data_ptr(X), n, m, tol, max_iter)
-        keep_alive((A_, B_, Q_, R_, X))
-        return X.astype(out)
+        x = DareInputs(np.ascontiguousarray(A.astype(np.float64)), np.ascontiguousarray(B.astype(np.float64)),
+                       np.ascontiguousarray(Q.astype(np.float64)), np.ascontiguousarray(R.astype(np.float64)))
+        out = Solution(np.empty((n, n)))
+        ptrs, dims, vals = pack(x, DareOptions(tol, max_iter), out)
+        abi(data_ptr(ptrs), data_ptr(dims), data_ptr(vals))
+        keep_alive((x, out, ptrs, dims, vals))
+        return out.X.astype(out_type)
 
     return solve
 
