@@ -83,7 +83,7 @@ class Abi:
     def __init__(self, dtype: str = "float64", **args: Struct):
         self.args = args
         self._np = self._nd = self._nv = 0
-        self.dtype, self._dtypes = dtype, {dtype}
+        self.dtype, self._dtypes = dtype, set()  #: of every array, by :meth:`_emit`
         packs, unpacks = [], []
         for name, struct in args.items():
             unpacks.append(self._emit(struct, name, packs))
@@ -172,7 +172,8 @@ class Barrier:
         source = Path(inspect.getsourcefile(getattr(fn, "py_func", fn))).read_bytes() + abi.source.encode()
         pyfunc.__qualname__ = f"{key}_{hashlib.sha256(source).hexdigest()[:16]}"  # names the cache file
         pyfunc.__module__ = fn.__module__
-        self.abi, self.kernel = abi, _AbiKernel(SIGNATURE, pyfunc, abi)
+        # its arrays' dtypes (the C signature's addresses do not show them): float64-only when they all are
+        self.abi, self.kernel = abi, OpaqueKernel(SIGNATURE, pyfunc, dtype=" ".join(sorted(abi._dtypes)) or abi.dtype)
         self._call = None
 
     @property
@@ -190,15 +191,3 @@ class Barrier:
             self._call = call
         return self._call
 
-
-class _AbiKernel(OpaqueKernel):
-    """The :class:`iterops._fused.OpaqueKernel` of a :class:`Barrier`: float64-only when its arrays are (its C
-    signature passes every array as an address, which says nothing of their dtype)."""
-
-    def __init__(self, signature, pyfunc, abi: Abi):
-        super().__init__(signature, pyfunc)
-        self._abi = abi
-
-    @property
-    def float64_only(self) -> bool:
-        return self._abi._dtypes == {"float64"}
