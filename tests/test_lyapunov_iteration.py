@@ -518,3 +518,17 @@ def test_value_and_gradient_share_one_run_of_the_loop(damping, rng):
         ops = [type(node.op) for node in f.maker.fgraph.apply_nodes]
         assert LyapunovFixedPointTrace in ops and LyapunovFixedPointLoopGrad not in ops, ops
         assert sum(op.__name__.startswith("LyapunovFixedPoint") for op in ops) == 2, ops
+
+
+@pytest.mark.parametrize("bad, name", [("Ga", "alpha cotangent"), ("Gg", "gamma cotangent")])
+def test_doubling_gradient_cotangent_shape_error_names_which(bad, name):
+    """A wrongly shaped cotangent reaching the doubling's gradient Op at run time raises before its pointer crosses
+    the C-ABI, naming which cotangent (of alpha or of gamma) it is; oracle: the shapes given."""
+    from iterops.linalg.lyapunov_iteration import SmithDoublingLoopGrad
+
+    A, Q, Ga, Gg = (pt.dmatrix(k) for k in ("A", "Q", "Ga", "Gg"))
+    f = pytensor.function([A, Q, Ga, Gg], SmithDoublingLoopGrad("max_lt")(A, Q, 1e-9, 50, Ga, Gg))
+    args = {"A": 0.5 * np.eye(3), "Q": np.eye(3), "Ga": np.ones((3, 3)), "Gg": np.ones((3, 3))}
+    args[bad] = np.ones((3, 2))
+    with pytest.raises(ValueError, match=f"{name} must have shape .* got {name} with shape \\(3, 2\\)"):
+        f(**args)

@@ -826,7 +826,7 @@ def _doubling_adjoint_entry(stop: int, a_dtype: str, q_dtype: str):
     def adjoint(A, Q, tol, n_steps, Ga, Gg):
         mats, rule = _doubling_inputs(func, A, Q, tol, n_steps, stop)
         m = A.shape[0]
-        cot = Doubling(_square(func, "cotangent", Ga, m), _square(func, "cotangent", Gg, m))
+        cot = Doubling(_square(func, "alpha cotangent", Ga, m), _square(func, "gamma cotangent", Gg, m))
         bars = Matrices(np.empty((m, m), dtype=a_t), np.empty((m, m), dtype=q_t))
         call(mats, rule, cot, bars)
         return bars.A, bars.Q
