@@ -399,58 +399,98 @@ _filter_abi.companions = ("iterops.ts.kalman._adjoint_abi",)
 
 
 @entry_point
+def _filter_runner(jitter: float, mv: float, use_mv: bool, univariate="auto", forecast_cov: bool = True,
+                   covariances: bool = True):
+    """A jitted ``run(x) -> (loglik, FilterOutputs)`` for checked :class:`Inputs` ``x``: the filter through its
+    C-ABI barrier (:func:`_filter_abi`), outputs allocated here.  Shared by the filter's and the diffuse
+    filter's entry points (memoized on the options, so one compile serves both)."""
+    update, need_F, need_P = UPDATE_MODES[univariate], bool(forecast_cov), bool(covariances)
+    abi, pack = _filter_abi.external, FILTER_ABI.pack  # opaque call: a new graph does not recompile the kernel
+
+    @numba.njit
+    def run(x):
+        """``(loglik, FilterOutputs)`` of the filter on ``x`` (loglik ``-inf`` on failure)."""
+        options, mode = Options(jitter, mv, use_mv), Mode(update, need_F, need_P)
+        (n, p), m = x.y.shape, x.a0.shape[0]
+        out = filter_outputs(n, m, p)
+        ptrs, dims, vals = pack(x, options, mode, out)
+        ll = abi(data_ptr(ptrs), data_ptr(dims), data_ptr(vals))
+        keep_alive((x, out, ptrs, dims, vals))
+        return ll, out
+
+    return run
+
+
+@numba.njit(cache=True)
+def filter_result(ll, out):
+    """The 8 outputs of :class:`KalmanFilterResult` (``loglik`` 0-d) of a log-likelihood and its :class:`FilterOutputs`."""
+    total = np.empty((), dtype=np.float64)
+    total[()] = ll
+    return (total, out.loglik_obs, out.filtered_state, out.filtered_cov, out.predicted_state, out.predicted_cov,
+            out.forecast_error, out.forecast_error_cov)
+
+
+@entry_point
 def _filter_entry(tv: tuple, jitter: float, mv: float, use_mv: bool, univariate="auto", forecast_cov: bool = True,
                   covariances: bool = True):
     """Entry point of :class:`KalmanFilter` for its props (``tv``: 7 time-varying flags; ``mv``, ``use_mv``: the
-    missing-value sentinel; the rest as the Op's): checks the shapes, runs :func:`_filter_abi` and returns the 8
-    outputs of :class:`KalmanFilterResult` (float64).  Failure value as in the module docstring (``loglik = -inf``)."""
-    update, need_F, need_P = UPDATE_MODES[univariate], bool(forecast_cov), bool(covariances)
-    abi, pack = _filter_abi.external, FILTER_ABI.pack  # opaque call: a new graph does not recompile the kernel
+    missing-value sentinel; the rest as the Op's): checks the shapes, runs :func:`_filter_runner`'s filter and
+    returns the 8 outputs of :class:`KalmanFilterResult` (float64).  Failure value as in the module docstring
+    (``loglik = -inf``)."""
+    run = _filter_runner(jitter, mv, use_mv, univariate, forecast_cov, covariances)
 
     @numba.njit
     def kalman_filter_fn(*args):
         """``(y, a0, P0, c, d, T, Z, R, H, Q) -> (loglik, loglik_obs, filtered_state, filtered_cov,
         predicted_state, predicted_cov, forecast_error, forecast_error_cov)``; a shape mismatch raises."""
-        options, mode = Options(jitter, mv, use_mv), Mode(update, need_F, need_P)
         x = inputs_of(args)
         check_inputs("kalman_filter", x, tv)
-        (n, p), m = x.y.shape, x.a0.shape[0]
-        out = filter_outputs(n, m, p)
-        ptrs, dims, vals = pack(x, options, mode, out)
-        total = np.empty((), dtype=np.float64)
-        total[()] = abi(data_ptr(ptrs), data_ptr(dims), data_ptr(vals))
-        keep_alive((x, out, ptrs, dims, vals))
-        return (total, out.loglik_obs, out.filtered_state, out.filtered_cov, out.predicted_state, out.predicted_cov,
-                out.forecast_error, out.forecast_error_cov)
+        ll, out = run(x)
+        return filter_result(ll, out)
 
     return kalman_filter_fn
 
 
 @entry_point
-def _adjoint_entry(tv: tuple, jitter: float, mv: float, use_mv: bool, unused: tuple = ()):
-    """Entry point of :class:`KalmanFilterGrad`; the cotangents of the inputs named in ``unused`` (of "T", "Z")
-    are not computed, and come out NaN."""
+def _adjoint_runner(jitter: float, mv: float, use_mv: bool, unused: tuple = ()):
+    """A jitted ``run(x, predicted, cot) -> InputCotangents`` for checked :class:`Inputs` ``x``, the filter's
+    predictions (:class:`Moments`) and the outputs' :class:`Cotangents`: the adjoint through its C-ABI barrier
+    (:func:`_adjoint_abi`).  The cotangents of the inputs named in ``unused`` (of "T", "Z") are not computed
+    and come out NaN; the filter's failure gives NaN cotangents."""
     abi, pack = _adjoint_abi.external, ADJOINT_ABI.pack
     skip_T, skip_Z = "T" in unused, "Z" in unused
 
     @numba.njit
-    def kalman_filter_grad_fn(*args):
-        """``(10 inputs, predicted_state, predicted_cov, 8 output cotangents) -> the 10 inputs' cotangents``;
-        a shape mismatch raises; the filter's failure gives NaN cotangents."""
-        func, options = "kalman_filter gradient", Options(jitter, mv, use_mv)
-        x = inputs_of(args[:10])
-        check_inputs(func, x, tv)
-        predicted = predictions_of(func, args[10], args[11], x)
-        cot = cotangents_of(func, args[12], args[13:], x)
+    def run(x, predicted, cot):
+        """The :class:`InputCotangents` of ``x``."""
         grad = input_cotangents_like(x, 0.0)
-        ptrs, dims, vals = pack(x, options, predicted, cot, grad, Wanted(not skip_T, not skip_Z))
+        ptrs, dims, vals = pack(x, Options(jitter, mv, use_mv), predicted, cot, grad, Wanted(not skip_T, not skip_Z))
         abi(data_ptr(ptrs), data_ptr(dims), data_ptr(vals))
         keep_alive((x, predicted, cot, grad, ptrs, dims, vals))
         if skip_T:
             grad.system.T[...] = np.nan
         if skip_Z:
             grad.system.Z[...] = np.nan
-        return gradient_tuple(grad)
+        return grad
+
+    return run
+
+
+@entry_point
+def _adjoint_entry(tv: tuple, jitter: float, mv: float, use_mv: bool, unused: tuple = ()):
+    """Entry point of :class:`KalmanFilterGrad`: checks the shapes, runs :func:`_adjoint_runner`'s adjoint."""
+    run = _adjoint_runner(jitter, mv, use_mv, unused)
+
+    @numba.njit
+    def kalman_filter_grad_fn(*args):
+        """``(10 inputs, predicted_state, predicted_cov, 8 output cotangents) -> the 10 inputs' cotangents``;
+        a shape mismatch raises; the filter's failure gives NaN cotangents."""
+        func = "kalman_filter gradient"
+        x = inputs_of(args[:10])
+        check_inputs(func, x, tv)
+        predicted = predictions_of(func, args[10], args[11], x)
+        cot = cotangents_of(func, args[12], args[13:], x)
+        return gradient_tuple(run(x, predicted, cot))
 
     return kalman_filter_grad_fn
 
@@ -709,62 +749,98 @@ def _diffuse_inputs(func, args, tv):
     return x, contiguous(args[3])
 
 
+@numba.njit(cache=True)
+def _inputs_from(x, d, a, P, tv):
+    """The :class:`Inputs` of steps ``d..n-1`` of ``x``: ``y[d:]``, start ``(a, P)``, the time-varying system
+    matrices (``tv``) from row ``d``, the static ones whole (C-contiguous, as :func:`inputs_of`'s)."""
+    s, c = x.system, contiguous
+    return Inputs(c(x.y[d:]), c(a), c(P), System(
+        c(_tail(s.c, d, tv[0])), c(_tail(s.d, d, tv[1])), c(_tail(s.T, d, tv[2])), c(_tail(s.Z, d, tv[3])),
+        c(_tail(s.R, d, tv[4])), c(_tail(s.H, d, tv[5])), c(_tail(s.Q, d, tv[6]))))
+
+
+@numba.njit(cache=True)
+def _copy_rows_from(out, d, tail):
+    """Rows ``d:`` of each of the :class:`FilterOutputs` ``out`` = those of ``tail`` (a filter of steps ``d..``)."""
+    out.loglik_obs[d:] = tail.loglik_obs
+    out.filtered_state[d:] = tail.filtered_state
+    out.filtered_cov[d:] = tail.filtered_cov
+    out.predicted_state[d:] = tail.predicted_state
+    out.predicted_cov[d:] = tail.predicted_cov
+    out.forecast_error[d:] = tail.forecast_error
+    out.forecast_error_cov[d:] = tail.forecast_error_cov
+
+
+@numba.njit(cache=True)
+def _fail_from(out, d):
+    """NaN in the :class:`FilterOutputs` ``out`` from the failing step ``d`` on (its own prediction kept)."""
+    out.loglik_obs[d + 1:] = np.nan
+    out.filtered_state[d:] = np.nan
+    out.filtered_cov[d:] = np.nan
+    out.predicted_state[d + 1:] = np.nan
+    out.predicted_cov[d + 1:] = np.nan
+    out.forecast_error[d + 1:] = np.nan
+    out.forecast_error_cov[d + 1:] = np.nan
+
+
+@numba.njit(cache=True)
+def _cotangents_from(cot, d):
+    """The :class:`Cotangents` of steps ``d..n-1``: the per-step ones from row ``d`` (disconnected ones empty),
+    C-contiguous."""
+    c, t = contiguous, _tail_or_empty
+    return Cotangents(cot.loglik, c(t(cot.loglik_obs, d)), c(t(cot.filtered_state, d)), c(t(cot.filtered_cov, d)),
+                      c(t(cot.predicted_state, d)), c(t(cot.predicted_cov, d)), c(t(cot.forecast_error, d)),
+                      c(t(cot.forecast_error_cov, d)))
+
+
+@numba.njit(cache=True)
+def _add_rows_from(grad, d, tail, tv):
+    """Rows ``d:`` of ``grad``'s ``y`` and of its time-varying (``tv``) system cotangents = ``tail``'s (the
+    :class:`InputCotangents` of steps ``d..``); its static ones get ``tail``'s whole."""
+    g, h = grad.system, tail.system
+    grad.y[d:] = tail.y
+    _tail(g.c, d, tv[0])[:] = h.c
+    _tail(g.d, d, tv[1])[:] = h.d
+    _tail(g.T, d, tv[2])[:] = h.T
+    _tail(g.Z, d, tv[3])[:] = h.Z
+    _tail(g.R, d, tv[4])[:] = h.R
+    _tail(g.H, d, tv[5])[:] = h.H
+    _tail(g.Q, d, tv[6])[:] = h.Q
+
+
 @entry_point
 def _diffuse_filter_entry(tv: tuple, mv: float, use_mv: bool):
     """Forward entry of :class:`KalmanFilterDiffuse`: the diffuse steps (:func:`diffuse_filter`, behind its
-    C-ABI barrier), then the ordinary filter's entry point (:func:`_filter_entry`, unchanged) on steps
-    ``d..n-1`` from ``(a_d, P_d)``, its outputs copied into rows ``d:``."""
-    filt = _filter_entry(tv, 0.0, mv, use_mv)
+    C-ABI barrier), then the ordinary filter (:func:`_filter_runner`) on steps ``d..n-1`` from ``(a_d, P_d)``,
+    its outputs copied into rows ``d:``."""
+    filt = _filter_runner(0.0, mv, use_mv)
     run = _diffuse_runner(mv, use_mv)
-    f0, f1, f2, f3, f4, f5, f6 = tv
 
     @numba.njit
     def kalman_filter_diffuse_fn(*args):
         """``(y, a0, P0, P_inf, c, d, T, Z, R, H, Q) ->`` the 8 outputs of :class:`KalmanFilterResult`; a shape
         mismatch raises; failure value as in the module docstring (``loglik = -inf``)."""
         x, P_inf = _diffuse_inputs("kalman_filter(diffuse=...)", args[:11], tv)
-        s, n = x.system, x.y.shape[0]
         ll, dd, ok, out = run(x, P_inf)
-        if ok and dd < n:
-            r = filt(
-                x.y[dd:], out.predicted_state[dd], out.predicted_cov[dd], _tail(s.c, dd, f0), _tail(s.d, dd, f1),
-                _tail(s.T, dd, f2), _tail(s.Z, dd, f3), _tail(s.R, dd, f4), _tail(s.H, dd, f5), _tail(s.Q, dd, f6),
-            )
-            ll += r[0][()]
-            out.loglik_obs[dd:] = r[1]
-            out.filtered_state[dd:] = r[2]
-            out.filtered_cov[dd:] = r[3]
-            out.predicted_state[dd:] = r[4]
-            out.predicted_cov[dd:] = r[5]
-            out.forecast_error[dd:] = r[6]
-            out.forecast_error_cov[dd:] = r[7]
+        if ok and dd < x.y.shape[0]:
+            ll_tail, tail = filt(_inputs_from(x, dd, out.predicted_state[dd], out.predicted_cov[dd], tv))
+            ll += ll_tail
+            _copy_rows_from(out, dd, tail)
         elif not ok:
-            out.loglik_obs[dd + 1:] = np.nan
-            out.filtered_state[dd:] = np.nan
-            out.filtered_cov[dd:] = np.nan
-            out.predicted_state[dd + 1:] = np.nan
-            out.predicted_cov[dd + 1:] = np.nan
-            out.forecast_error[dd + 1:] = np.nan
-            out.forecast_error_cov[dd + 1:] = np.nan
-        total = np.empty((), dtype=np.float64)
-        total[()] = ll
-        return (
-            total, out.loglik_obs, out.filtered_state, out.filtered_cov, out.predicted_state, out.predicted_cov,
-            out.forecast_error, out.forecast_error_cov,
-        )
+            _fail_from(out, dd)
+        return filter_result(ll, out)
 
     return kalman_filter_diffuse_fn
 
 
 @entry_point
 def _diffuse_adjoint_entry(tv: tuple, mv: float, use_mv: bool):
-    """Adjoint entry of :class:`KalmanFilterDiffuse`: re-runs the diffuse steps (their tape), calls the
-    ordinary adjoint's entry point (:func:`_adjoint_entry`) on steps ``d..n-1``, then reverses the diffuse
-    steps (:func:`diffuse_adjoint`, behind its C-ABI barrier) from the cotangents of ``(a_d, P_d)``."""
-    adj = _adjoint_entry(tv, 0.0, mv, use_mv)
+    """Adjoint entry of :class:`KalmanFilterDiffuse`: re-runs the diffuse steps (their tape), runs the ordinary
+    adjoint (:func:`_adjoint_runner`) on steps ``d..n-1``, then reverses the diffuse steps
+    (:func:`diffuse_adjoint`, behind its C-ABI barrier) from the cotangents of ``(a_d, P_d)``."""
+    adj = _adjoint_runner(0.0, mv, use_mv)
     run = _diffuse_runner(mv, use_mv)
     abi, pack = _diffuse_adjoint_abi.external, DIFFUSE_ADJOINT_ABI.pack
-    f0, f1, f2, f3, f4, f5, f6 = tv
 
     @numba.njit
     def kalman_filter_diffuse_grad_fn(*args):
@@ -774,33 +850,21 @@ def _diffuse_adjoint_entry(tv: tuple, mv: float, use_mv: bool):
         x, P_inf = _diffuse_inputs(func, args[:11], tv)
         predicted = predictions_of(func, args[11], args[12], x)
         cot = cotangents_of(func, args[13], args[14:], x)
-        s, n, m = x.system, x.y.shape[0], x.a0.shape[0]
+        n, m = x.y.shape[0], x.a0.shape[0]
         _, dd, ok, tape = run(x, P_inf)
         grad = input_cotangents_like(x, 0.0 if ok else np.nan)  # failure: every cotangent NaN
         P_inf_bar = np.full((m, m), 0.0 if ok else np.nan)
         if not ok:
-            return _with_p_inf(gradient_tuple(grad), P_inf_bar)
+            return _with_p_inf(grad, P_inf_bar)
         a_bar, P_bar = np.zeros(m), np.zeros((m, m))
         if dd < n:
-            r = adj(
-                x.y[dd:], predicted.state[dd], predicted.cov[dd], _tail(s.c, dd, f0), _tail(s.d, dd, f1),
-                _tail(s.T, dd, f2), _tail(s.Z, dd, f3), _tail(s.R, dd, f4), _tail(s.H, dd, f5), _tail(s.Q, dd, f6),
-                predicted.state[dd:], predicted.cov[dd:], args[13], _tail_or_empty(cot.loglik_obs, dd),
-                _tail_or_empty(cot.filtered_state, dd), _tail_or_empty(cot.filtered_cov, dd),
-                _tail_or_empty(cot.predicted_state, dd), _tail_or_empty(cot.predicted_cov, dd),
-                _tail_or_empty(cot.forecast_error, dd), _tail_or_empty(cot.forecast_error_cov, dd),
+            tail = adj(
+                _inputs_from(x, dd, predicted.state[dd], predicted.cov[dd], tv),
+                Moments(contiguous(predicted.state[dd:]), contiguous(predicted.cov[dd:])), _cotangents_from(cot, dd),
             )
-            g = grad.system
-            grad.y[dd:] = r[0]
-            a_bar[:] = r[1]
-            P_bar[:, :] = r[2]
-            _tail(g.c, dd, f0)[:] = r[3]
-            _tail(g.d, dd, f1)[:] = r[4]
-            _tail(g.T, dd, f2)[:] = r[5]
-            _tail(g.Z, dd, f3)[:] = r[6]
-            _tail(g.R, dd, f4)[:] = r[7]
-            _tail(g.H, dd, f5)[:] = r[8]
-            _tail(g.Q, dd, f6)[:] = r[9]
+            _add_rows_from(grad, dd, tail, tv)
+            a_bar[:] = tail.a0
+            P_bar[:, :] = tail.P0
         else:
             if cot.predicted_state.shape[0] > 0:
                 a_bar[:] = cot.predicted_state[n]
@@ -810,15 +874,17 @@ def _diffuse_adjoint_entry(tv: tuple, mv: float, use_mv: bool):
         ptrs, dims, vals = pack(x, Options(0.0, mv, use_mv), tape, cot, hand, grad)
         abi(data_ptr(ptrs), data_ptr(dims), data_ptr(vals))
         keep_alive((x, tape, cot, hand, grad, ptrs, dims, vals))
-        return _with_p_inf(gradient_tuple(grad), P_inf_bar)
+        return _with_p_inf(grad, P_inf_bar)
 
     return kalman_filter_diffuse_grad_fn
 
 
 @numba.njit(cache=True)
-def _with_p_inf(g, P_inf_bar):
-    """The diffuse gradient Op's outputs: :func:`gradient_tuple` with ``P_inf``'s cotangent after ``P0``'s."""
-    return g[0], g[1], g[2], P_inf_bar, g[3], g[4], g[5], g[6], g[7], g[8], g[9]
+def _with_p_inf(grad, P_inf_bar):
+    """The diffuse gradient Op's outputs: those of :func:`gradient_tuple` of the :class:`InputCotangents`
+    ``grad``, with ``P_inf``'s cotangent ``P_inf_bar`` after ``P0``'s."""
+    s = grad.system
+    return grad.y, grad.a0, grad.P0, P_inf_bar, s.c, s.d, s.T, s.Z, s.R, s.H, s.Q
 
 
 #: core signature of the diffuse Op's inputs: ``P_inf`` (m, m) after ``P0``
@@ -907,23 +973,26 @@ def _normalize_time_varying(func, time_varying):
     return tuple(name in tv for name in SYSTEM_NAMES)
 
 
-def _prepare_inputs(func, y, a0, P0, c, d, T, Z, R, H, Q, time_varying):
-    """Validate at graph-build time; return float64 core-ready inputs, tv flags and the output dtype.
+def _prepare_inputs(func, args, time_varying):
+    """Validate at graph-build time; return float64 core-ready inputs (in :data:`INPUT_NAMES` order), tv flags
+    and the output dtype.  ``args``: the user's :class:`Inputs` (any array-likes).
 
     ``c`` / ``d`` may be None: zeros of length m / p (static, so ``time_varying`` may not name them)."""
     tv = _normalize_time_varying(func, time_varying)
-    y = as_tensor(func, "y", y, min_ndim=2)
-    a0 = as_tensor(func, "a0", a0, min_ndim=1)
-    P0 = as_tensor(func, "P0", P0, min_ndim=2)
-    for name, x, is_tv in zip(("c", "d"), (c, d), tv[:2]):
-        if x is None and is_tv:
+    y = as_tensor(func, "y", args.y, min_ndim=2)
+    a0 = as_tensor(func, "a0", args.a0, min_ndim=1)
+    P0 = as_tensor(func, "P0", args.P0, min_ndim=2)
+    given = args.system._asdict()
+    for name, is_tv in zip(("c", "d"), tv[:2]):
+        if given[name] is None and is_tv:
             raise ValueError(f"{func}: time_varying names {name!r} but {name} was not given (it defaults to zeros)")
-    if c is None:
-        c = pt.zeros(a0.shape[-1:], dtype=a0.type.dtype)
-    if d is None:
-        d = pt.zeros(y.shape[-1:], dtype=y.type.dtype)
+    if given["c"] is None:
+        given["c"] = pt.zeros(a0.shape[-1:], dtype=a0.type.dtype)
+    if given["d"] is None:
+        given["d"] = pt.zeros(y.shape[-1:], dtype=y.type.dtype)
     mats = {}
-    for name, x, is_tv in zip(SYSTEM_NAMES, (c, d, T, Z, R, H, Q), tv):
+    for name, is_tv in zip(SYSTEM_NAMES, tv):
+        x = given[name]
         nd = SYSTEM_NDIM[name] + is_tv
         x = as_tensor(func, name, x, min_ndim=nd)
         mats[name] = x
@@ -981,8 +1050,8 @@ def _prepare_inputs(func, y, a0, P0, c, d, T, Z, R, H, Q, time_varying):
 
 def apply_kalman_op(func, op_type, args, time_varying, cov_jitter, missing_value, **options):
     """Validate (graph-build time), apply ``op_type`` through ``Blockwise``, cast back to the input precision.
-    ``options``: further props of ``op_type``."""
-    inputs, tv, out_dtype = _prepare_inputs(func, *args, time_varying)
+    ``args``: the user's :class:`Inputs`; ``options``: further props of ``op_type``."""
+    inputs, tv, out_dtype = _prepare_inputs(func, args, time_varying)
     if not np.isfinite(cov_jitter) or cov_jitter < 0:
         raise ValueError(f"{func}: cov_jitter must be finite and >= 0, got {cov_jitter}")
     outs = Blockwise(op_type(tv, cov_jitter, missing_value, **options))(*inputs)
@@ -1083,14 +1152,12 @@ def kalman_filter(
     >>> round(float(res.loglik.eval()), 6)  # statsmodels' KalmanFilter llf: -2.892596
     -2.892596
     """
+    args = Inputs(y, a0, P0, System(c=c, d=d, T=T, Z=Z, R=R, H=H, Q=Q))
     if diffuse is not None:
-        return _kalman_filter_diffuse((y, a0, P0, c, d, T, Z, R, H, Q), time_varying, cov_jitter, missing_value,
-                                      diffuse)
+        return _kalman_filter_diffuse(args, time_varying, cov_jitter, missing_value, diffuse)
     _check_univariate("kalman_filter", univariate, H)
-    outs = apply_kalman_op(
-        "kalman_filter", KalmanFilter, (y, a0, P0, c, d, T, Z, R, H, Q), time_varying, cov_jitter, missing_value,
-        univariate=univariate,
-    )
+    outs = apply_kalman_op("kalman_filter", KalmanFilter, args, time_varying, cov_jitter, missing_value,
+                           univariate=univariate)
     return KalmanFilterResult(*outs)
 
 
@@ -1132,8 +1199,8 @@ def _kalman_filter_diffuse(args, time_varying, cov_jitter, missing_value, diffus
             f"{func}: diffuse=... is not supported together with cov_jitter > 0 (got cov_jitter={cov_jitter}); "
             "the exact diffuse filter is statsmodels' arithmetic, without jitter"
         )
-    inputs, tv, out_dtype = _prepare_inputs(func, *args, time_varying)
-    a0 = inputs[1]
+    inputs, tv, out_dtype = _prepare_inputs(func, args, time_varying)
+    a0 = dict(zip(INPUT_NAMES, inputs))["a0"]
     m = a0.type.shape[-1]
     if isinstance(diffuse, (list, tuple, np.ndarray)) and np.asarray(diffuse).dtype == bool:
         mask = np.asarray(diffuse)

@@ -41,11 +41,11 @@ from iterops._fused import data_ptr, entry_point, keep_alive, opaque_kernel, reg
 from iterops._linalg_kernels import cho_inverse, copy_into, matmul, sym_inplace
 from iterops.ts._kalman_filter import kalman_filter_kernel
 from iterops.ts._kalman_steps import (
-    Options, closed_loop, find_structure, loglik, observe, structure, system_at, update_cov, update_work,
+    Options, System, closed_loop, find_structure, loglik, observe, structure, system_at, update_cov, update_work,
     varies_over_time,
 )
 from iterops.ts.kalman import (
-    INPUTS, IN_SIG, MOMENTS, OPTIONS, KalmanOpBase, Moments, apply_kalman_op, check_inputs, inputs_of,
+    INPUTS, IN_SIG, MOMENTS, OPTIONS, Inputs, KalmanOpBase, Moments, apply_kalman_op, check_inputs, inputs_of,
 )
 
 __all__ = ["kalman_smoother", "KalmanSmootherResult", "KalmanSmoother", "kalman_smoother_kernel"]
@@ -207,7 +207,6 @@ def kalman_smoother(
     >>> res.smoothed_state.eval().round(4).ravel()  # = statsmodels' KalmanSmoother
     array([0.5, 0.5, 0.5])
     """
-    outs = apply_kalman_op(
-        "kalman_smoother", KalmanSmoother, (y, a0, P0, c, d, T, Z, R, H, Q), time_varying, cov_jitter, missing_value
-    )
+    args = Inputs(y, a0, P0, System(c=c, d=d, T=T, Z=Z, R=R, H=H, Q=Q))
+    outs = apply_kalman_op("kalman_smoother", KalmanSmoother, args, time_varying, cov_jitter, missing_value)
     return KalmanSmootherResult(*outs)
