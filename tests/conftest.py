@@ -8,6 +8,7 @@
 * ``rng`` is seeded by the CRC-32 of the test's node id: the same inputs in every run, on
   every machine.  ``ITEROPS_TEST_SEED_SALT=<text>`` salts it, to run every test on other
   random inputs (a test that fails for some salt was passing by luck).
+* ``python_run`` marker: the test's default mode is ``PYTHON_RUN`` (see :func:`_python_run`).
 * Oracle modes: ``SCAN_ORACLE`` runs a user's Scan (and PyTensor's autodiff of it) with iterops'
   rewrites excluded, Op by Op in Python (``perform``), the Scans' inner functions included: the
   same graph as in Numba mode, without the minutes that a cold compile of a Scan and its gradient
@@ -76,6 +77,9 @@ def as_run_by_python(mode="NUMBA"):
 
 
 SCAN_ORACLE = as_run_by_python(get_mode("FAST_COMPILE").excluding("iterops"))
+#: NUMBA mode's rewrites (iterops' among them), the rewritten graph run by ``perform``: the default mode of the
+#: tests marked ``python_run``
+PYTHON_RUN = as_run_by_python("NUMBA")
 #: FAST_COMPILE's graph (iterops' rewrites included), Scans' inner functions run by ``perform`` too
 FAST_PY = as_run_by_python("FAST_COMPILE")
 
@@ -89,6 +93,21 @@ def first_then_slow(cases):
 @pytest.fixture(params=LINKER_MODES)
 def mode(request):
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _python_run(request):
+    """Tests marked ``python_run`` (modules that check the mathematics: values, gradients, batching against
+    oracles) compile with :data:`PYTHON_RUN` wherever they give no mode (``pytensor.function``, ``verify_grad``):
+    NUMBA mode's rewrites, so the same graph as the default mode, run by ``perform``, which calls the same
+    jitted entry points and kernels.  What it skips is PyTensor's Numba linking of each new graph, most of a
+    cold run's compile time; that linking is tested by the ``mode``-parametrized tests (every linker, per Op),
+    the tests that ask for ``mode="NUMBA"``, and the PyMC, nutpie, README and notebook tests."""
+    if request.node.get_closest_marker("python_run") is None:
+        yield
+        return
+    with pytensor.config.change_flags(mode=PYTHON_RUN):
+        yield
 
 
 SEED_SALT = os.environ.get("ITEROPS_TEST_SEED_SALT", "")
@@ -160,6 +179,11 @@ HEAVY = {
     "tests/test_lyapunov_iteration.py::test_random_stable_matches_scan",
     "tests/test_fusion_kalman.py::test_pymc_extras_time_varying_matrices[obs_intercept+design]",  # [design] stays
 }
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "python_run: graphs compiled with no mode run by perform under NUMBA "
+                            "mode's rewrites (see _python_run)")
 
 
 def pytest_collection_modifyitems(config, items):

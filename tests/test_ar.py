@@ -17,6 +17,9 @@ from conftest import FAST_PY, evaluate, jacobian_check, random_ar, random_pacf, 
 from iterops.reference_loops import step_up_loop
 from iterops.ts import ar_to_acov, ar_to_pacf, levinson_durbin, pacf_to_ar, solve_toeplitz, yule_walker
 
+#: graphs compiled without a mode run by perform under NUMBA mode's rewrites (tests/conftest.py, ``_python_run``)
+pytestmark = pytest.mark.python_run
+
 # Gradient and batching checks compile many small graphs: use the Python linker (whose perform
 # runs the same Numba kernels); every linker is covered by the ``mode``-parametrized tests.
 FAST = FAST_PY  # FAST_COMPILE, Scans (the reference loops, jacobians) included, run by perform

@@ -13,6 +13,9 @@ from pytensor.gradient import verify_grad
 
 from iterops import block_diag
 
+#: graphs compiled without a mode run by perform under NUMBA mode's rewrites (tests/conftest.py, ``_python_run``)
+pytestmark = pytest.mark.python_run
+
 
 @pytest.fixture(scope="module")
 def f3():

@@ -27,7 +27,7 @@ from iterops.linalg.lyapunov_iteration import LyapunovFixedPointLoop, SmithDoubl
 #: what the Lyapunov loops are replaced by: the same iterations, fused
 LOOP_OPS = (SmithDoublingLoop, LyapunovFixedPointLoop)
 
-pytestmark = pytest.mark.filterwarnings("ignore:matrix_dot is deprecated:FutureWarning")
+pytestmark = [pytest.mark.python_run, pytest.mark.filterwarnings("ignore:matrix_dot is deprecated:FutureWarning")]
 
 
 #: the unrewritten reference: Python linker (cheap to compile), iterops rewrites off

@@ -20,7 +20,7 @@ import iterops
 from conftest import SCAN_ORACLE, as_run_by_python
 from iterops import reference_loops as ref
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning")
+pytestmark = [pytest.mark.python_run, pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning")]
 
 _SCAN_MODE = SCAN_ORACLE
 

@@ -29,7 +29,7 @@ from conftest import SCAN_ORACLE, as_run_by_python
 from iterops import reference_loops as rl
 from iterops.fusion.patterns._common import CONVERGENCE_STOPS
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning")
+pytestmark = [pytest.mark.python_run, pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning")]
 
 
 def _excluded(mode):
@@ -53,11 +53,12 @@ def _weights(o, k):
     return pt.cos(0.7 * pt.arange(o.size) + k).reshape(o.shape)
 
 
-def _assert_fused_and_equal(ins, outs, vals, mode="NUMBA", rtol=1e-8, atol=1e-10, fused=True, oracle=SCAN_ORACLE):
-    """``outs`` compiled in ``mode`` is fused (or, ``fused=False``, keeps its Scans) and equals ``oracle``'s
-    graph, the Scans with iterops excluded.  A kept graph is ``mode``'s rewritten graph run on the Python VM
-    (the Scans a Numba compile would take minutes over are PyTensor's, not iterops')."""
-    f = pytensor.function(ins, outs, mode=mode if fused else as_run_by_python(mode))
+def _assert_fused_and_equal(ins, outs, vals, mode=None, rtol=1e-8, atol=1e-10, fused=True, oracle=SCAN_ORACLE):
+    """``outs`` compiled in ``mode`` (default: this module's ``python_run`` mode, NUMBA's rewrites) is fused (or,
+    ``fused=False``, keeps its Scans) and equals ``oracle``'s graph, the Scans with iterops excluded.  A kept
+    graph is ``mode``'s rewritten graph run on the Python VM (the Scans a Numba compile would take minutes over
+    are PyTensor's, not iterops')."""
+    f = pytensor.function(ins, outs, mode=mode if fused else as_run_by_python(mode or "NUMBA"))
     ref = pytensor.function(ins, outs, mode=oracle)
     assert _has_scan(ref)
     if fused:
@@ -242,7 +243,7 @@ def test_plain_grad_equals_the_numba_compiled_scan(name, rng):
     """The Done-when's literal oracle: the same graph compiled with ``get_mode("NUMBA").excluding("iterops")``."""
     ins, out, wrt, vals = CASES[name](rng)
     cost = _cost(out)
-    _assert_fused_and_equal(ins, [cost, *pytensor.grad(cost, wrt)], vals, oracle=_excluded("NUMBA"))
+    _assert_fused_and_equal(ins, [cost, *pytensor.grad(cost, wrt)], vals, mode="NUMBA", oracle=_excluded("NUMBA"))
 
 
 @pytest.mark.parametrize("mode", ["CVM", "FAST_COMPILE"])

@@ -21,7 +21,7 @@ import iterops
 from conftest import SCAN_ORACLE, as_run_by_python
 from iterops import reference_loops as ref
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning")
+pytestmark = [pytest.mark.python_run, pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning")]
 
 N = 10
 _T = np.array([[0.7, 0.2], [0.0, 0.5]])

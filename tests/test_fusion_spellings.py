@@ -20,7 +20,7 @@ from iterops.linalg.lyapunov_iteration import LyapunovFixedPointLoop, LyapunovFi
 from iterops.ts.kalman import KalmanFilter
 from iterops.ts.levinson_recursion import LevinsonRecursion
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning")
+pytestmark = [pytest.mark.python_run, pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::RuntimeWarning")]
 
 _SCAN_MODE = SCAN_ORACLE
 N, M, P, R_ = 20, 3, 2, 2
@@ -34,11 +34,12 @@ def _has(f, op_type):
     return any(isinstance(op, op_type) for op in _core_ops(f))
 
 
-def _compare(ins, outs, wrt, vals, op_type, rtol=1e-7, atol=1e-9):
-    """The user's graph with plain ``pytensor.grad`` compiled in the default mode (the forward and gradient
-    Scans fused by the compile-time rewrite, no ``fuse_loops``) vs the Scan: values and gradients."""
+def _compare(ins, outs, wrt, vals, op_type, rtol=1e-7, atol=1e-9, mode=None):
+    """The user's graph with plain ``pytensor.grad`` compiled in ``mode`` (the default mode, or this module's
+    ``python_run`` one: the forward and gradient Scans fused by the compile-time rewrite, no ``fuse_loops``)
+    vs the Scan: values and gradients."""
     cost = sum((o * pt.cos(0.7 * pt.arange(o.size) + k).reshape(o.shape)).sum() for k, o in enumerate(outs))
-    f = pytensor.function(ins, [*outs, *pytensor.grad(cost, wrt)])
+    f = pytensor.function(ins, [*outs, *pytensor.grad(cost, wrt)], mode=mode)
     g = pytensor.function(ins, [*outs, *pytensor.grad(cost, wrt)], mode=_SCAN_MODE)
     assert _has(f, op_type) and not _has(f, Scan), str(iterops.explain(outs))
     assert _has(g, Scan)
@@ -644,7 +645,7 @@ def test_damped_fixed_point_default_mode_compiled(rng):
     gradient: one traced run of the loop, ``share_fixed_point_trace``)."""
     out = ref.damped_fixed_point_loop(_DA, _DQ, _DW, X0=_DX0, tol=_DTOL, n_steps=3000)
     _compare([_DA, _DQ, _DX0, _DTOL, _DW], [out], [_DA, _DQ, _DX0, _DW], [*_damped_values(rng), 0.6],
-             LyapunovFixedPointTrace)
+             LyapunovFixedPointTrace, mode="NUMBA")
 
 
 @pytest.mark.parametrize("loop", ["fixed point", "damped fixed point"])

@@ -48,6 +48,9 @@ from iterops.linalg import lyapunov_fixed_point_loop, smith_doubling_loop, solve
 from iterops.ts.kalman import KalmanFilter  # noqa: E402
 from iterops.ts.levinson_recursion import levinson_recursion  # noqa: E402
 
+#: graphs compiled without a mode run by perform under NUMBA mode's rewrites (tests/conftest.py, ``_python_run``)
+pytestmark = pytest.mark.python_run
+
 TOL = 1e-10
 
 
@@ -90,7 +93,7 @@ def _close(actual, expected, tol=TOL, what=""):
 
 
 def _check_against_numba(inputs, outputs, values, rng, wrt=None):
-    """JAX mode == Numba mode for the outputs and their gradients (PyTensor's gradient graph, whose gradient
+    """JAX mode == the default mode's graph (run by ``perform``: the Numba kernels) for the outputs and their gradients (PyTensor's gradient graph, whose gradient
     Ops then run in JAX), and jax.grad of the JAX-ified cost (the custom_vjp rules) == the Numba gradient."""
     wrt = inputs if wrt is None else wrt
     cost = _cost(outputs, rng)

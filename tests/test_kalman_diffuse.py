@@ -23,6 +23,9 @@ from statsmodels.tsa.statespace.kalman_filter import KalmanFilter as SMKalmanFil
 from conftest import first_then_slow
 from iterops.ts.kalman import kalman_filter
 
+#: graphs compiled without a mode run by perform under NUMBA mode's rewrites (tests/conftest.py, ``_python_run``)
+pytestmark = pytest.mark.python_run
+
 jax.config.update("jax_enable_x64", True)  # as tests/test_jax.py: float64 JAX for the 1e-10 comparison
 
 FIELDS = (
@@ -136,7 +139,7 @@ def test_equals_statsmodels_exact_diffuse(model, rng):
     y, sysm, mask, P0 = MODELS[model](rng)
     m = len(mask)
     res = kalman_filter(y, np.zeros(m), P0, **sysm, diffuse=mask)
-    ours = pytensor.function([], list(res))()
+    ours = pytensor.function([], list(res), mode="NUMBA")()  # Numba-linked: the diffuse Op's native run
     sm = statsmodels_filter(y, sysm, mask, P0)
     assert sm.nobs_diffuse > 0
     assert_close(ours[0], sm.llf, "loglik")

@@ -23,6 +23,9 @@ from statsmodels.tsa.statespace.kalman_smoother import KalmanSmoother as SMKalma
 from iterops.ts import kalman_filter
 from conftest import SCAN_ORACLE
 
+#: graphs compiled without a mode run by perform under NUMBA mode's rewrites (tests/conftest.py, ``_python_run``)
+pytestmark = pytest.mark.python_run
+
 NAMES = ("c", "d", "T", "Z", "R", "H", "Q")
 INPUTS = ("y", "a0", "P0", *NAMES)
 FIELDS = (

@@ -31,6 +31,9 @@ from iterops._linalg_kernels import (
 )
 from iterops.ts._kalman_steps import _sparse_congruence, _triangle_test
 
+#: graphs compiled without a mode run by perform under NUMBA mode's rewrites (tests/conftest.py, ``_python_run``)
+pytestmark = pytest.mark.python_run
+
 INPUTS = ("y", "a0", "P0", "c", "d", "T", "Z", "R", "H", "Q")
 
 

@@ -23,6 +23,9 @@ from test_kalman_steady import assert_loglik_grads_close, dense_filter, gradient
 
 from iterops.ts.kalman import KalmanFilter, _choose_update, kalman_filter
 
+#: graphs compiled without a mode run by perform under NUMBA mode's rewrites (tests/conftest.py, ``_python_run``)
+pytestmark = pytest.mark.python_run
+
 SM_NAMES = dict(c="state_intercept", d="obs_intercept", T="transition", Z="design", R="selection", H="obs_cov",
                 Q="state_cov")
 #: outputs statsmodels' univariate filter computes as we do (its forecast errors are the sequential ones)

@@ -16,6 +16,9 @@ from conftest import evaluate, jacobian_check, random_ar, sm_acov
 import iterops
 from iterops.ts import acovf, levinson_durbin, yule_walker
 
+#: graphs compiled without a mode run by perform under NUMBA mode's rewrites (tests/conftest.py, ``_python_run``)
+pytestmark = pytest.mark.python_run
+
 ATOL = 1e-10
 # Gradient and batching checks compile many small graphs: use the Python linker (whose perform
 # runs the same Numba kernels); every linker is covered by the ``mode``-parametrized tests.

@@ -25,6 +25,9 @@ from conftest import SCAN_ORACLE
 from iterops.reference_loops import levinson_loop, levinson_step
 from iterops.ts.levinson_recursion import levinson_recursion
 
+#: graphs compiled without a mode run by perform under NUMBA mode's rewrites (tests/conftest.py, ``_python_run``)
+pytestmark = pytest.mark.python_run
+
 # the user's Scan as it runs without iterops' Scan fusion, Op by Op on PyTensor's Python VM
 ORACLE_MODE = SCAN_ORACLE
 RTOL = {"float64": 1e-9, "float32": 2e-4}
@@ -85,7 +88,7 @@ def fused_fn(p, dtype="float64", batch_ndim=0):
 def _compile(p, dtype, batch_ndim, variant, oracle):
     if oracle:
         return pytensor.function(*_graph(scan_loop, p, dtype, batch_ndim, variant), mode=ORACLE_MODE)
-    return pytensor.function(*_graph(_fused, p, dtype, batch_ndim))  # default mode: Numba
+    return pytensor.function(*_graph(_fused, p, dtype, batch_ndim), mode="NUMBA")
 
 
 def _weights(rng, p, dtype, batch=()):

@@ -22,6 +22,9 @@ from pytensor.tensor.random.type import random_generator_type
 
 from iterops import loop, taps
 
+#: graphs compiled without a mode run by perform under NUMBA mode's rewrites (tests/conftest.py, ``_python_run``)
+pytestmark = pytest.mark.python_run
+
 jax.config.update("jax_enable_x64", True)
 
 State = namedtuple("State", ["level", "trend"])

@@ -17,6 +17,9 @@ from iterops import solve_discrete_lyapunov
 from iterops.reference_loops import doubling_loop
 from iterops.linalg.lyapunov import DiscreteLyapunov
 
+#: graphs compiled without a mode run by perform under NUMBA mode's rewrites (tests/conftest.py, ``_python_run``)
+pytestmark = pytest.mark.python_run
+
 METHODS = ["auto", "doubling", "schur"]
 
 

@@ -20,6 +20,9 @@ from conftest import SCAN_ORACLE, spd, stable
 from iterops import reference_loops as ref
 from iterops.linalg import lyapunov_fixed_point_loop, smith_doubling_loop
 
+#: graphs compiled without a mode run by perform under NUMBA mode's rewrites (tests/conftest.py, ``_python_run``)
+pytestmark = pytest.mark.python_run
+
 #: the user's Scans with iterops excluded, run Op by Op on PyTensor's Python VM (conftest.SCAN_ORACLE)
 REF_MODE = SCAN_ORACLE
 STOPS = ["max_lt", "max_le", "fro_lt", None]
@@ -356,7 +359,7 @@ def test_default_mode_runs_natively(rng):
         alpha, gamma = smith_doubling_loop(A_, Q, tol, n, "fro_lt")
         X = lyapunov_fixed_point_loop(A_, Q, Q, tol, n, "max_le")
         cost = gamma.sum() + alpha.sum() + X.sum()
-        f = pytensor.function([A, Q, tol, n], [gamma, X, *pytensor.grad(cost, [A, Q])])
+        f = pytensor.function([A, Q, tol, n], [gamma, X, *pytensor.grad(cost, [A, Q])], mode="NUMBA")
         assert not any(isinstance(node.op, Scan) for node in f.maker.fgraph.apply_nodes)
         out = f(np.stack([stable(rng, 2, 0.5)] * 2), spd(rng, 2), 1e-8, 50)
         assert all(np.all(np.isfinite(o)) for o in out)
@@ -473,7 +476,7 @@ def test_damped_unit_root_far_start_and_nonfinite_start(damping):
 
 def test_damped_float32_and_default_mode(rng):
     a, q, x0 = stable(rng, 3, 0.8), spd(rng, 3), rng.normal(size=(3, 3))
-    check_damped(a, q, x0, 0.7, 1e-10, 3000, "max_lt", "convex")  # default (Numba) mode
+    check_damped(a, q, x0, 0.7, 1e-10, 3000, "max_lt", "convex", mode="NUMBA")
     a32, q32, x32 = (v.astype("float32") for v in (a, q, x0))
     check_damped(a32, q32, x32, 0.7, 1e-5, 300, "fro_lt", "increment", rtol=2e-5, mode="FAST_COMPILE")
 
@@ -497,7 +500,7 @@ def test_damped_validation_errors():
 
 @pytest.mark.parametrize("damping", [None, "convex"])
 def test_value_and_gradient_share_one_run_of_the_loop(damping, rng):
-    """Default (Numba) mode, value and gradient of the fixed-point loop: one traced run of the loop read by
+    """The default mode's graph, value and gradient of the fixed-point loop: one traced run of the loop read by
     the reverse pass (no second run), values and gradients those of the user's Scan: a loop stopped by its
     tolerance after more steps than the trace's first buffer holds (it grows), one hitting its guard, one
     step (the Scan's ``Xs[-1]`` of zero steps raises), float32."""

@@ -11,6 +11,9 @@ from pytensor.gradient import verify_grad
 
 from iterops.linalg import solve_discrete_are
 
+#: graphs compiled without a mode run by perform under NUMBA mode's rewrites (tests/conftest.py, ``_python_run``)
+pytestmark = pytest.mark.python_run
+
 # Gradient checks compile several graphs: the Python linker (whose perform runs the same Numba
 # kernel); every linker is covered by test_dtype.
 FAST = "FAST_COMPILE"

@@ -20,6 +20,9 @@ from pytensor.scan.utils import until
 import iterops  # noqa: F401
 from conftest import SCAN_ORACLE
 
+#: graphs compiled without a mode run by perform under NUMBA mode's rewrites (tests/conftest.py, ``_python_run``)
+pytestmark = pytest.mark.python_run
+
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 

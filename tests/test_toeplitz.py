@@ -12,6 +12,9 @@ from conftest import evaluate, jacobian_check
 import iterops
 from iterops.ts import solve_toeplitz
 
+#: graphs compiled without a mode run by perform under NUMBA mode's rewrites (tests/conftest.py, ``_python_run``)
+pytestmark = pytest.mark.python_run
+
 ATOL = 1e-10
 # Gradient and batching checks compile many small graphs: use the Python linker (whose perform
 # runs the same Numba kernels); every linker is covered by the ``mode``-parametrized tests.

@@ -13,6 +13,9 @@ from statsmodels.tsa.stattools import acovf as sm_acovf
 
 from iterops.ts import acovf, ar_to_acov, ar_to_pacf, levinson_durbin, pacf_to_ar, solve_toeplitz, yule_walker
 
+#: graphs compiled without a mode run by perform under NUMBA mode's rewrites (tests/conftest.py, ``_python_run``)
+pytestmark = pytest.mark.python_run
+
 # ---------------------------------------------------------------------------
 # solve_toeplitz
 # ---------------------------------------------------------------------------
