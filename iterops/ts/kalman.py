@@ -407,7 +407,8 @@ def _filter_runner(jitter: float, mv: float, use_mv: bool, univariate="auto", fo
     update, need_F, need_P = UPDATE_MODES[univariate], bool(forecast_cov), bool(covariances)
     abi, pack = _filter_abi.external, FILTER_ABI.pack  # opaque call: a new graph does not recompile the kernel
 
-    @numba.njit
+    # inlined into its callers (a call to a separate jitted function made a new graph's compile 1.2x longer)
+    @numba.njit(inline="always")
     def run(x):
         """``(loglik, FilterOutputs)`` of the filter on ``x`` (loglik ``-inf`` on failure)."""
         options, mode = Options(jitter, mv, use_mv), Mode(update, need_F, need_P)
@@ -421,7 +422,7 @@ def _filter_runner(jitter: float, mv: float, use_mv: bool, univariate="auto", fo
     return run
 
 
-@numba.njit(cache=True)
+@numba.njit(inline="always")
 def filter_result(ll, out):
     """The 8 outputs of :class:`KalmanFilterResult` (``loglik`` 0-d) of a log-likelihood and its :class:`FilterOutputs`."""
     total = np.empty((), dtype=np.float64)
@@ -460,7 +461,7 @@ def _adjoint_runner(jitter: float, mv: float, use_mv: bool, unused: tuple = ()):
     abi, pack = _adjoint_abi.external, ADJOINT_ABI.pack
     skip_T, skip_Z = "T" in unused, "Z" in unused
 
-    @numba.njit
+    @numba.njit(inline="always")  # as _filter_runner's
     def run(x, predicted, cot):
         """The :class:`InputCotangents` of ``x``."""
         grad = input_cotangents_like(x, 0.0)
