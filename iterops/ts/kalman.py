@@ -773,18 +773,6 @@ def _copy_rows_from(out, d, tail):
 
 
 @numba.njit(cache=True)
-def _fail_from(out, d):
-    """NaN in the :class:`FilterOutputs` ``out`` from the failing step ``d`` on (its own prediction kept)."""
-    out.loglik_obs[d + 1:] = np.nan
-    out.filtered_state[d:] = np.nan
-    out.filtered_cov[d:] = np.nan
-    out.predicted_state[d + 1:] = np.nan
-    out.predicted_cov[d + 1:] = np.nan
-    out.forecast_error[d + 1:] = np.nan
-    out.forecast_error_cov[d + 1:] = np.nan
-
-
-@numba.njit(cache=True)
 def _cotangents_from(cot, d):
     """The :class:`Cotangents` of steps ``d..n-1``: the per-step ones from row ``d`` (disconnected ones empty),
     C-contiguous."""
@@ -827,8 +815,7 @@ def _diffuse_filter_entry(tv: tuple, mv: float, use_mv: bool):
             ll_tail, tail = filt(_inputs_from(x, dd, out.predicted_state[dd], out.predicted_cov[dd], tv))
             ll += ll_tail
             _copy_rows_from(out, dd, tail)
-        elif not ok:
-            _fail_from(out, dd)
+        # not ok: diffuse_filter has already NaN-filled the rows from the failing step on
         return filter_result(ll, out)
 
     return kalman_filter_diffuse_fn
