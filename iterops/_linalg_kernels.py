@@ -137,12 +137,13 @@ def sym_finite(X, out):
 
 @numba.njit(cache=True)
 def cholesky(F, L, k):
-    """Lower Cholesky of ``F[:k, :k]`` into ``L[:k, :k]`` (``L`` may be ``F``); False if not PD / not finite."""
+    """Lower Cholesky of ``F[:k, :k]`` into ``L[:k, :k]`` (``L`` may be ``F``); False if not PD / not finite.
+    For a complex ``F``: the factor of ``L L^T`` (no conjugation, an analytic function of ``F``), tested on real parts."""
     for j in range(k):
         s = F[j, j]
         for l in range(j):
             s -= L[j, l] * L[j, l]
-        if not (s > 0.0) or not np.isfinite(s):
+        if not (s.real > 0.0) or not np.isfinite(s):  # .real: a complex F (complex-step tangents) takes the same test
             return False
         ljj = np.sqrt(s)
         L[j, j] = ljj

@@ -9,13 +9,15 @@ from __future__ import annotations
 __all__ = ["not_twice_differentiable"]
 
 
-def not_twice_differentiable(op, func: str, input_names, alternative: str = "") -> None:
-    """Raise ``NotImplementedError`` naming the gradient Op, the function it differentiates, the inputs
-    and the order (2: the gradient Op is the first derivative)."""
+def not_twice_differentiable(op, func: str, input_names, alternative: str = "", order: int = 2) -> None:
+    """Raise ``NotImplementedError`` naming the derivative Op, the function it differentiates, the inputs
+    and the order asked for (2: ``op`` is the first derivative; 3: ``op`` is a second derivative)."""
+    what = "Second derivatives (order 2)" if order == 2 else f"Derivatives of order {order}"
+    reached = "the first derivative" if order == 2 else f"a derivative of order {order - 1}"
     raise NotImplementedError(
-        f"Second derivatives (order 2) of {func} are not implemented: pytensor.grad reached "
-        f"{type(op).__name__}, the first derivative of {func}, which cannot be differentiated with respect "
-        f"to {', '.join(input_names)}.  First derivatives are exact."
+        f"{what} of {func} are not implemented: pytensor.grad reached "
+        f"{type(op).__name__}, {reached} of {func}, which cannot be differentiated with respect "
+        f"to {', '.join(input_names)}.  Derivatives up to order {order - 1} are exact."
         + (f"  {alternative}" if alternative else "")
     )
 

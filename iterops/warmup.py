@@ -13,7 +13,7 @@ with it, deployments (CI images, cluster nodes, ``scripts/dev setup``) pay it on
 every later process finds the kernels cached: a new graph then compiles in a second or two.
 
 Two steps: every C-ABI kernel (:data:`iterops._fused.OPAQUE_KERNELS`: the Kalman filter, its
-adjoint and smoother, the Lyapunov solvers and iterations, and the kernels otherwise compiled on
+adjoint, second derivatives and smoother, the Lyapunov solvers and iterations, and the kernels otherwise compiled on
 their first call, :class:`iterops._fused.LazyKernel`, such as the Lyapunov Schur fallback), then one small graph per public
 function with its gradient, run once in PyTensor's default (Numba) mode, which compiles and caches
 the directly-called kernels (Levinson, block-diagonal, Toeplitz, AR maps) and their helpers.

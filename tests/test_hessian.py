@@ -25,8 +25,6 @@ from iterops import examples, ts
 from iterops import reference_loops as ref
 
 RUN = as_run_by_python("NUMBA")
-#: Scans in a Kalman Hessian-vector product: the filter's Scan, its gradient Scan and their reverse
-N_SCANS = 4
 
 
 def _hessian_and_fd(cost_fn, x0, eps=1e-5, mode=RUN, static=True):
@@ -276,16 +274,16 @@ def test_batched_kalman_hessian_matches_finite_differences(rng):
 
 
 def test_kalman_hessian_vector_product_is_a_few_filter_passes(rng):
-    """``hessian_vector_product`` (reverse mode twice): one filter, at most two adjoint Ops and the Scans of
-    one reverse-twice pass, whatever the number of parameters (not one pass per parameter, as a Hessian's
-    Jacobian Scan); equal to central differences of the gradient along ``v``."""
+    """``hessian_vector_product`` (reverse mode twice): one filter, one adjoint Op and one fused second-derivative
+    Op, no Scan, whatever the number of parameters; equal to central differences of the gradient along ``v``."""
     y = rng.normal(size=(12, 2))
     th, v = pt.vector("th", shape=(9,)), pt.vector("v", shape=(9,))
     cost = _kalman(y, th).loglik
     g = pytensor.grad(cost, th)
     f = pytensor.function([th, v], hessian_vector_product(cost, th, v), mode=RUN)
     ops = Counter(type(n.op).__name__ for n in f.maker.fgraph.apply_nodes)
-    assert ops["KalmanFilter"] == 1 and ops["KalmanFilterGrad"] <= 2 and ops["Scan"] <= N_SCANS, ops
+    assert ops["KalmanFilter"] == 1 and ops["KalmanFilterGrad"] == 1 and ops["KalmanFilterHVP"] == 1, ops
+    assert ops["Scan"] == 0, ops
     fg = pytensor.function([th], g, mode=RUN)
     v0, eps = rng.normal(size=9), 1e-5
     fd = (fg(KALMAN_X0 + eps * v0) - fg(KALMAN_X0 - eps * v0)) / (2 * eps)
@@ -328,38 +326,6 @@ def test_one_observable_kalman_hessian_with_missing_values(rng, options):
     assert ll_bad == -np.inf and np.all(np.isnan(H_bad))
 
 
-def test_kalman_second_derivative_scans_keep_static_shapes():
-    """The Scans of the adjoint's pullback keep every static core shape of their inputs.  Where one was lost
-    (a ``(?, ?)`` that is 1 x 1), Numba-mode rewrites turned an ``X + X^T`` of that type into an Elemwise
-    with no array input, which the Numba backend cannot compile (a structural model's ``d2logp`` raised
-    ``IndexError`` in PyTensor's vectorize codegen; the compiled check is the slow test below)."""
-    from pytensor.graph.traversal import applys_between, vars_between  # noqa: PLC0415
-    from pytensor.scan.op import Scan  # noqa: PLC0415
-
-    y = pt.tensor("y", shape=(None, 1))
-    th, v = pt.vector("th", shape=(4,)), pt.vector("v", shape=(4,))
-    hvp = hessian_vector_product(_one_observable_kalman(y, th), th, v)
-
-    def scans(ins, outs):  # Scans, bare or as the core of a Blockwise (the filter's Op is batched)
-        ops = (getattr(node.op, "core_op", node.op) for node in applys_between(ins, outs))
-        return [op for op in ops if isinstance(op, Scan)]
-
-    def unknown(ins, outs, where):
-        found = []
-        for op in scans(ins, outs):
-            inner_in, inner_out = op.inner_inputs, op.inner_outputs
-            # the Scans' per-step variables: every core dimension is static (m = 2, p = r = 1)
-            found += [(where, str(x.owner.op) if x.owner else x, x.type.shape)
-                      for x in vars_between(inner_in, inner_out) if None in getattr(x.type, "shape", ())]
-            found += unknown(inner_in, inner_out, where + " > Scan")
-        return found
-
-    assert len(scans([y, th, v], [hvp])) >= 2  # the filter's Scan and its reverse
-    bad = unknown([y, th, v], [hvp], "Scan")
-    assert not bad, bad[:10]
-
-
-@pytest.mark.slow  # a cold Numba compile of the filter's Scan, its reverse, and their reverse (minutes)
 def test_kalman_hessian_vector_product_with_one_observable_compiles_under_numba(rng):
     """The default (Numba) mode, not ``perform``: equal to central differences of the gradient."""
     y = rng.normal(size=(10, 1))
@@ -492,13 +458,16 @@ def _ar2_noise_model(rng, n=30):
     return model
 
 
-@pytest.mark.slow  # minutes: trust-ncg runs many Hessian-vector products through the filter's Scan
+@pytest.mark.slow  # about a minute: Numba compiles the loss, gradient and Hessian-vector product graphs
 def test_pymc_extras_find_map_hessian_and_fit_laplace(rng):
+    """find_MAP(compute_hessian=True) and fit_laplace as a user calls them: the default (Numba) mode, the Kalman
+    filter's second derivatives by its fused kernel; the covariance is the inverse of central differences of the
+    gradient at the MAP."""
     import pymc as pm  # noqa: PLC0415
     from pymc_extras.inference import find_MAP, fit_laplace  # noqa: PLC0415
 
     model = _ar2_noise_model(rng)
-    kw = dict(model=model, progressbar=False, compile_kwargs={"mode": RUN}, random_seed=1)
+    kw = dict(model=model, progressbar=False, random_seed=1)
     idata = find_MAP(method="trust-ncg", compute_hessian=True, **kw)  # Hessian-vector products, exact
     cov = idata.fit["covariance_matrix"].values
     mean = idata.fit["mean_vector"].values

@@ -511,6 +511,19 @@ def _io_kalman(fn, **kwargs):
     return build
 
 
+def _io_kalman_hvp(rng):
+    """Second derivatives (KalmanFilterHVP): a Hessian-vector product in ``y`` and ``T`` of a cost reading two
+    outputs, ``a0`` and ``P0`` integers; not differentiated again (third derivatives raise)."""
+    vals = _kalman_values(rng, n=6)
+    vals[1], vals[2] = _ints(vals[1]), _ints(vals[2])
+    syms = [_tensor(nm, v) for nm, v in zip(KALMAN_NAMES, vals)]
+    res = _kalman(iterops.kalman_filter, *syms)
+    wrt = [syms[0], syms[5]]
+    directions = [pt.as_tensor(rng.normal(size=vals[i].shape)) for i in (0, 5)]
+    hvp = pytensor.gradient.hessian_vector_product(res.loglik + res.filtered_state.sum(), wrt, directions)
+    return syms, vals, [], list(hvp), []
+
+
 def _io_kalman_diffuse(rng):
     """A local linear trend (both states diffuse): integer ``a0``, ``P0``, ``T``, ``Z``, ``R``."""
     y = np.cumsum(rng.normal(size=(8, 1)), axis=0)
@@ -544,6 +557,7 @@ IO_CASES = {
     "fixed_point_loop": _io_fixed_point_loop,
     "kalman_filter": _io_kalman(iterops.kalman_filter),
     "kalman_filter_diffuse": _io_kalman_diffuse,
+    "kalman_filter_hvp": _io_kalman_hvp,
     "kalman_smoother": _io_kalman(iterops.kalman_smoother),
 }
 #: the case whose graph holds each registered Op (a new Op fails ``test_every_registered_op_...`` until added)
@@ -554,7 +568,7 @@ IO_CASE_OF = {
     "AutoCov": "acovf", "PacfToAR": "pacf_to_ar", "ARDerivative": "pacf_to_ar", "ARToPacf": "ar_to_pacf",
     "ARToAcov": "ar_to_acov", "SmithDoublingLoop": "doubling_loop", "SmithDoublingLoopGrad": "doubling_loop",
     "LyapunovFixedPointLoop": "fixed_point_loop", "LyapunovFixedPointLoopGrad": "fixed_point_loop",
-    "KalmanFilter": "kalman_filter", "KalmanFilterGrad": "kalman_filter",
+    "KalmanFilter": "kalman_filter", "KalmanFilterGrad": "kalman_filter", "KalmanFilterHVP": "kalman_filter_hvp",
     "KalmanFilterDiffuse": "kalman_filter_diffuse", "KalmanFilterDiffuseGrad": "kalman_filter_diffuse",
     "KalmanSmoother": "kalman_smoother",
 }

@@ -1,5 +1,6 @@
 r"""JAX implementations of the Kalman Ops: :class:`~iterops.ts.kalman.KalmanFilter`, its gradient Op
-:class:`~iterops.ts.kalman.KalmanFilterGrad`, and :class:`~iterops.ts.kalman_smoother.KalmanSmoother`.
+:class:`~iterops.ts.kalman.KalmanFilterGrad`, :class:`~iterops.ts._kalman_second.KalmanFilterHVP` and
+:class:`~iterops.ts.kalman_smoother.KalmanSmoother`.
 
 Same model, notation, shapes and arithmetic as :mod:`iterops.ts.kalman` (Durbin & Koopman; statsmodels'
 layout), one ``lax.scan`` over the time steps; per step ``t`` (``o`` the observed components, ``j`` the jitter)::
@@ -65,7 +66,7 @@ from iterops.jax._common import mm, register_op
 from iterops._constants import LOG_2PI
 from iterops.ts.kalman import INPUT_NAMES, SYSTEM_NAMES
 
-__all__ = ["KalmanOptions", "kalman_filter", "kalman_filter_vjp", "kalman_smoother"]
+__all__ = ["KalmanOptions", "kalman_filter", "kalman_filter_vjp", "kalman_filter_hvp", "kalman_smoother"]
 
 
 class KalmanOptions(NamedTuple):
@@ -291,6 +292,21 @@ def kalman_filter_vjp(inputs, cotangents, options=KalmanOptions()):
     return _adjoint(inputs, outs, res, _cotangents(cotangents, outs), options)
 
 
+def kalman_filter_hvp(inputs, cotangents, directions, options=KalmanOptions()):
+    """The second derivatives of :class:`~iterops.ts._kalman_second.KalmanFilterHVP`: ``(x_bar, J w)`` with
+    ``x_bar = d/de J(x + e w)^T g`` and ``J w`` the tangents of the 8 outputs, each of its cotangent's shape (a
+    zero-size placeholder gets an empty one).  Forward mode (``jax.jvp``) over :func:`kalman_filter_vjp`'s scans."""
+    inputs = tuple(jnp.asarray(x, jnp.float64) for x in inputs)
+    directions = tuple(jnp.asarray(x, jnp.float64) for x in directions)
+
+    def both(x):
+        outs, res = _filter_scan(x[0], x[1], x[2], x[3:], options, residuals=True)
+        return _adjoint(x, outs, res, _cotangents(cotangents, outs), options), outs
+
+    _, (x_bar, tangents) = jax.jvp(both, (inputs,), (directions,))
+    return (*x_bar, *(t if np.size(g) == t.size else jnp.zeros(np.shape(g)) for g, t in zip(cotangents, tangents)))
+
+
 def _adjoint(inputs, outs, res, cts, opts):
     r"""The reverse pass of :func:`_filter_scan`: a reverse ``lax.scan`` whose step reverses a forward
     step's stages in the opposite order (:mod:`iterops.ts._kalman_steps`: ``predict_vjp``, ``loglik_vjp``,
@@ -429,6 +445,7 @@ def op_inputs(args):
 
 
 def register(jax_funcify):
+    from iterops.ts._kalman_second import KalmanFilterHVP
     from iterops.ts.kalman import KalmanFilter, KalmanFilterGrad
     from iterops.ts.kalman_smoother import KalmanSmoother
 
@@ -449,6 +466,16 @@ def register(jax_funcify):
             return kalman_filter_vjp(inputs, rest[2:], opts)  # predicted_state/_cov: recomputed
 
         return kalman_filter_grad_fn
+
+    @register_op(jax_funcify, KalmanFilterHVP, work=jnp.float64)
+    def _filter_hvp(op, node):
+        opts = options(op)
+
+        def kalman_filter_hvp_fn(*args):
+            inputs, rest = op_inputs(args)
+            return kalman_filter_hvp(inputs, rest[:8], rest[8:], opts)
+
+        return kalman_filter_hvp_fn
 
     @register_op(jax_funcify, KalmanSmoother, work=jnp.float64)
     def _smoother(op, node):

@@ -17,7 +17,7 @@ Code map, in reading order:
 * ``iterops/_linalg_kernels.py``: small dense-matrix helpers of every kernel;
 * ``iterops/ts/_kalman_steps.py``: the stages of one step, each followed by its reverse; ``System``, ``Options``;
 * ``iterops/ts/_kalman_filter.py``, ``_kalman_adjoint.py``, ``_kalman_diffuse.py``: the forward loop, the
-  reverse loop, the exact diffuse steps; ``_kalman_second.py``: second derivatives;
+  reverse loop, the exact diffuse steps; ``_kalman_hvp.py``, ``_kalman_second.py``: second derivatives;
 * this module: the C-ABI kernels (arguments declared once as :class:`iterops._abi.Abi`, e.g. :data:`FILTER_ABI`),
   the run-time shape checks (:func:`check_inputs`), the entry points, the Ops, :func:`kalman_filter`,
   :func:`stationary_cov`;
@@ -83,8 +83,8 @@ Gradient (:class:`KalmanFilterGrad`, a second fused Numba Op): a hand-written re
   disconnected cotangent arrives as a zero-size placeholder.
 * Over a steady-state stretch the covariance cotangents follow from one Lyapunov equation, so only the
   O(m p + m^2) mean path runs per step (:func:`iterops.ts._kalman_adjoint._steady_adjoint_run`).
-* Second derivatives: a Scan of the same recursion, exact, not fused (:mod:`iterops.ts._kalman_second`);
-  the diffuse filter's adjoint raises ``NotImplementedError`` when differentiated.
+* Second derivatives: one fused kernel, forward mode over this adjoint (:mod:`iterops.ts._kalman_second`,
+  :mod:`iterops.ts._kalman_hvp`); the diffuse filter's adjoint raises ``NotImplementedError`` when differentiated.
 
 Options:
 
@@ -131,7 +131,9 @@ import pytensor.tensor as pt
 from pytensor.gradient import DisconnectedType
 from pytensor.graph.basic import Apply, Constant, Variable
 from pytensor.graph.rewriting.basic import copy_stack_trace, node_rewriter
+from pytensor.tensor.basic import get_underlying_scalar_constant_value
 from pytensor.tensor.blockwise import Blockwise
+from pytensor.tensor.exceptions import NotScalarConstantError
 from pytensor.tensor.variable import TensorVariable
 
 from iterops._second_order import not_twice_differentiable
@@ -140,7 +142,6 @@ from iterops._fused import FusedOp, data_ptr, entry_point, keep_alive, opaque_ke
 from iterops._validate import as_tensor, check_shape, float_dtype
 from iterops.ts._kalman_adjoint import Cotangents, InputCotangents, kalman_adjoint_kernel
 from iterops.ts._kalman_diffuse import DiffuseOutputs, diffuse_adjoint, diffuse_filter, diffuse_outputs
-from iterops.ts._kalman_second import adjoint_pullback
 from iterops.ts._kalman_filter import FilterOutputs, filter_into, filter_outputs, kalman_filter_kernel
 from iterops.ts._kalman_steps import (
     AUTO, MULTIVARIATE, SYSTEM_NAMES, UNIVARIATE, Options, System, Wanted, diagonal, prefers_univariate,
@@ -601,8 +602,11 @@ def _own_dims(sig, tag):
 class KalmanFilterGrad(KalmanOpBase):
     """Adjoint Op of :class:`KalmanFilter`: (inputs, predicted_state, predicted_cov, cotangents of
     the 8 outputs) -> cotangents of the 10 inputs.  A disconnected cotangent is a zero-size array
-    (the loglik one: 0).  Its pullback (second derivatives) goes through a Scan of the filter,
-    :func:`iterops.ts._kalman_second.adjoint_pullback`."""
+    (the loglik one: 0).  Its pullback (second derivatives) is one fused Op,
+    :class:`iterops.ts._kalman_second.KalmanFilterHVP`."""
+
+    #: :func:`kalman_unused_outputs` may set ``unused`` (its entry point skips those cotangents)
+    skips_unused = True
 
     __props__ = (*KalmanOpBase.__props__, "unused")
     # cotangent dimensions are their own: a zero-size placeholder matches no other input
@@ -631,11 +635,15 @@ class KalmanFilterGrad(KalmanOpBase):
         """The jitted entry point for this Op's props (:func:`_adjoint_entry`)."""
         return _adjoint_entry(*self._entry_args(), self.unused)
 
+    def connection_pattern(self, node):
+        """Every output is connected to every input but ``predicted_state`` and ``predicted_cov`` (functions of the
+        inputs, counted through them): a second derivative then builds no adjoint pass for their zero cotangents."""
+        n_x = len(node.outputs)
+        return [[i not in (n_x, n_x + 1)] * n_x for i in range(len(node.inputs))]
+
     def pullback(self, inputs, outputs, cotangents):
-        """Second derivatives: exact, through a Scan of the same recursion
-        (:func:`iterops.ts._kalman_second.adjoint_pullback`)."""
-        # second derivatives: exact, through a Scan of the same recursion (iterops.ts._kalman_second)
-        return adjoint_pullback(self, inputs, cotangents)
+        """Second derivatives: one fused kernel call, :class:`iterops.ts._kalman_second.KalmanFilterHVP`."""
+        return _kalman_second.adjoint_pullback(self, inputs, cotangents)
 
 
 #: the inputs whose cotangents :class:`KalmanFilterGrad` can leave out (``unused``): each costs O(m^3) (T) or
@@ -643,7 +651,7 @@ class KalmanFilterGrad(KalmanOpBase):
 _SKIPPABLE = ("T", "Z")
 
 
-@node_rewriter([Blockwise, KalmanFilter, KalmanFilterGrad])
+@node_rewriter([Blockwise, KalmanOpBase])
 def kalman_unused_outputs(fgraph, node):
     """Kalman Ops leave out the work of outputs nothing in the graph reads; every other output is unchanged.
 
@@ -654,10 +662,21 @@ def kalman_unused_outputs(fgraph, node):
       step's time).
     * :class:`KalmanFilterGrad` whose cotangent of ``T`` (or ``Z``) is unused gets ``unused=("T", ...)``: its
       reverse steps skip ``T_bar += 2 G T P_f`` (a dense m^3 product per step, most of a structural model's
-      reverse step) or the m^2 terms of ``Z_bar``; those outputs come out NaN.  A PyMC model whose ``T`` and
-      ``Z`` hold no free parameter never reads them."""
+      reverse step) or the m^2 terms of ``Z_bar``; those outputs come out NaN.  The same for the second
+      derivatives' :class:`~iterops.ts._kalman_second.KalmanFilterHVP` (its unread outputs come out 0).  A PyMC
+      model whose ``T`` and ``Z`` hold no free parameter never reads them.
+    * A gradient Op whose output cotangents are all zero (constants, a zero ``Alloc``, disconnected placeholders)
+      is replaced by zeros: a second derivative of PyMC's logp differentiates ``switch(loglik == -inf, ...)``,
+      whose condition gives the filter a zero cotangent, and would otherwise run an adjoint pass for it."""
     blockwise = isinstance(node.op, Blockwise)
     core = node.op.core_op if blockwise else node.op
+    if isinstance(core, KalmanFilterGrad) and all(_is_zero(g) for g in node.inputs[len(node.outputs) + 2:]):
+        # J^T 0: no reverse pass.  Shapes from the inputs (an output's own shape would keep the node alive)
+        in_shapes = [[x.shape[i] for i in range(x.type.ndim)] for x in node.inputs]
+        shapes = node.op.infer_shape(node, in_shapes)  # Blockwise: batch dimensions broadcast
+        zeros = [pt.zeros(shape, dtype=out.type.dtype) for shape, out in zip(shapes, node.outputs)]
+        copy_stack_trace(node.outputs, zeros)
+        return zeros
     if type(core) is KalmanFilter:
         forecast_cov = core.forecast_cov and bool(fgraph.clients[node.outputs[7]])
         covariances = core.covariances and bool(fgraph.clients[node.outputs[3]] or fgraph.clients[node.outputs[5]])
@@ -665,16 +684,27 @@ def kalman_unused_outputs(fgraph, node):
             return None
         new = KalmanFilter(core.time_varying, core.cov_jitter, core.missing_value, core.univariate,
                            forecast_cov=forecast_cov, covariances=covariances)
-    elif type(core) is KalmanFilterGrad:
+    elif getattr(core, "skips_unused", False):  # KalmanFilterGrad, KalmanFilterHVP: x_bar first, in input order
         unused = tuple(x for x in _SKIPPABLE if not fgraph.clients[node.outputs[INPUT_NAMES.index(x)]])
         if set(unused) <= set(core.unused):
             return None
-        new = KalmanFilterGrad(core.time_varying, core.cov_jitter, core.missing_value, (*core.unused, *unused))
+        new = type(core)(core.time_varying, core.cov_jitter, core.missing_value, (*core.unused, *unused))
     else:
         return None
     outs = (Blockwise(new) if blockwise else new)(*node.inputs, return_list=True)
     copy_stack_trace(node.outputs, outs)
     return outs
+
+
+def _is_zero(g) -> bool:
+    """Whether the cotangent ``g`` is zero in the graph: a zero-size placeholder (disconnected) or a constant 0
+    (through ``Alloc``, ``DimShuffle``, casts: PyTensor's ``get_underlying_scalar_constant_value``)."""
+    if 0 in g.type.shape:
+        return True
+    try:
+        return get_underlying_scalar_constant_value(g) == 0
+    except NotScalarConstantError:
+        return False
 
 
 # registered in iterops.rewrites
@@ -916,6 +946,7 @@ class KalmanFilterDiffuseGrad(KalmanFilterGrad):
     log-likelihood depends on its scale through ``log F_inf``).  Not differentiable itself (its pullback
     raises ``NotImplementedError``)."""
 
+    skips_unused = False  # its entry point computes every cotangent
     gufunc_signature = (
         ",".join([*DIFFUSE_IN_SIG, "(n1,m)", "(n1,m,m)", *(_own_dims(s, f"g{i}") for i, s in enumerate(_OUT_SIG))])
         + "->" + ",".join(DIFFUSE_IN_SIG)
@@ -1234,3 +1265,7 @@ def stationary_cov(T, R, Q) -> TensorVariable:
     if Q.type.shape[-1] is not None and R.type.shape[-1] is not None and Q.type.shape[-1] != R.type.shape[-1]:
         raise ValueError(f"{func}: Q must be (r, r) with r = R's columns, got Q {Q.type.shape}, R {R.type.shape}")
     return solve_discrete_lyapunov(T, R @ Q @ R.mT)
+
+
+# second derivatives: KalmanFilterGrad's pullback Op (imported last: that module imports this one)
+from iterops.ts import _kalman_second  # noqa: E402
