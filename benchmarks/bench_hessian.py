@@ -104,10 +104,11 @@ def run(quick: bool) -> list[Section]:
         "run once more on `x + i h w` in complex arithmetic (forward mode over the hand-written reverse mode, exact "
         "to rounding), no Scan. Before it (2026-12-04) the pullback was PyTensor's reverse mode twice through a Scan "
         "of the recursion and the fused HVP cost what the Scan model's did (13.3 ms each, 1.05x for the Hessian).",
-        "- Where the fused HVP's time goes (n = 240, kernel alone, 2026-12-07): 1.7 ms, a quarter forward, the rest "
-        "the reverse pass, which recomputes each step's update; complex arithmetic costs about four real "
-        "multiply-adds per product. The 10x targets need a real-arithmetic tangent kernel (several directions per "
-        "pass for a Hessian), not built.",
+        "- Where the fused HVP's time goes (n = 240, 2026-12-07): the graph runs the filter, its adjoint and the "
+        "second-derivative kernel; the kernel alone takes about 1.6 ms, a third forward and the rest reverse (it "
+        "reads a tape of each step's update). Complex arithmetic costs about four real multiply-adds per product "
+        "and vectorises poorly: the 10x targets need a real-arithmetic tangent kernel (several directions per pass "
+        "for a Hessian), not built.",
         "- Scan: the same model with iterops' rewrites off; PyTensor differentiates pymc-extras' filter Scan twice.",
         f"- The two Hessians agree: max abs difference {diff:.2g} (largest entry {scale:.3g}).",
         "- `model.compile_d2logp()` (a Scan over the rows around the same products), fused, kernels cached: "

@@ -33,7 +33,7 @@ import pytensor
 from numba.extending import intrinsic
 from pytensor.link.numba.cache import compile_numba_function_src
 
-from iterops._fused import F64P, PACKAGE_DIGEST, OpaqueKernel, data_ptr, keep_alive
+from iterops._fused import F64P, PACKAGE_DIGEST, LazyKernel, OpaqueKernel, data_ptr, keep_alive
 
 __all__ = ["Struct", "Abi", "Barrier", "SIGNATURE", "address"]
 
@@ -158,11 +158,13 @@ class Barrier:
     * ``call``: a jitted ``call(*args) -> float`` for entry points, ``args`` as ``fn`` takes them: packed
       (:meth:`Abi.pack`), passed to the kernel, kept alive past the call.  Built on first use, which compiles the
       kernel (or loads it from the cache) and registers its symbol, as an entry point's construction must.
+    * ``on_demand=True``: the kernel is a :class:`iterops._fused.LazyKernel`, compiled when first *called* and left
+      out of the default warm-up (:attr:`iterops._fused.OpaqueKernel.on_demand`).
     """
 
     _names: dict[str, Barrier] = {}
 
-    def __init__(self, fn, abi: Abi, tag: str):
+    def __init__(self, fn, abi: Abi, tag: str, on_demand: bool = False):
         name = f"{fn.__name__}_{tag}"
         key = f"{fn.__module__}.{name}"
         if key in Barrier._names:
@@ -173,7 +175,9 @@ class Barrier:
         pyfunc.__qualname__ = f"{key}_{hashlib.sha256(source).hexdigest()[:16]}"  # names the cache file
         pyfunc.__module__ = fn.__module__
         # its arrays' dtypes (the C signature's addresses do not show them): float64-only when they all are
-        self.abi, self.kernel = abi, OpaqueKernel(SIGNATURE, pyfunc, dtype=" ".join(sorted(abi._dtypes)) or abi.dtype)
+        kind = LazyKernel if on_demand else OpaqueKernel
+        self.abi, self.kernel = abi, kind(SIGNATURE, pyfunc, dtype=" ".join(sorted(abi._dtypes)) or abi.dtype)
+        self.kernel.on_demand = on_demand
         self._call = None
 
     @property

@@ -204,6 +204,9 @@ class OpaqueKernel:
     #: After the kernel was compiled or loaded in this process: whether its machine code came from the
     #: on-disk cache (``None`` before).
     from_cache: bool | None = None
+    #: Compiled on first use, not by ``python -m iterops.warmup`` without ``--all-dtypes``: a kernel most
+    #: models never reach (the Kalman filter's second derivatives), whose compile a deployment need not pay.
+    on_demand: bool = False
 
     def __init__(self, signature, pyfunc, tag: str = "", dtype: str = "float64"):
         self.signature = signature

@@ -109,10 +109,11 @@ def default_sampler() -> str:
 
 
 def uncached_kernels() -> set[str]:
-    """iterops' float64 kernels that are not in the on-disk cache yet (the first graph using one compiles it)."""
+    """iterops' float64 kernels that are not in the on-disk cache yet (the first graph using one compiles it), but
+    those compiled on demand (second derivatives, which the demo does not take)."""
     from iterops._fused import OPAQUE_KERNELS
 
-    return {k.name for k in OPAQUE_KERNELS if k.float64_only and not k.is_cached()}
+    return {k.name for k in OPAQUE_KERNELS if k.float64_only and not k.on_demand and not k.is_cached()}
 
 
 @dataclass

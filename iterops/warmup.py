@@ -1,7 +1,7 @@
 """Compile every iterops kernel into Numba's on-disk cache, ahead of first use.
 
     python -m iterops.warmup                 # float64 kernels (what PyMC models use)
-    python -m iterops.warmup --all-dtypes    # also the float32 / complex variants
+    python -m iterops.warmup --all-dtypes    # also the float32 / complex variants and the on-demand kernels
     python -m iterops.warmup --jobs 2        # split over two processes (each kernel compiled once)
     python -m iterops.warmup --kernels iterops.ts.kalman._filter_abi iterops.ts.kalman._adjoint_abi
                                              # only these C-ABI kernels (no graphs)
@@ -46,7 +46,8 @@ def _function_name(kernel) -> str:
 
 
 def _selected(all_dtypes: bool, names=None) -> list:
-    """The :class:`iterops._fused.OpaqueKernel` s to warm: every float64 one (every one with ``all_dtypes``),
+    """The :class:`iterops._fused.OpaqueKernel` s to warm: every float64 one but those compiled on demand (every one
+    with ``all_dtypes``),
     only those whose function is in ``names`` when given (an unknown name is an error)."""
     import iterops  # noqa: F401  (defines every kernel)
     from iterops._fused import OPAQUE_KERNELS
@@ -56,7 +57,7 @@ def _selected(all_dtypes: bool, names=None) -> list:
         unknown = sorted(set(names) - known)
         if unknown:
             raise ValueError(f"unknown kernels {unknown}; known: {sorted(known)}")
-    return [k for k in OPAQUE_KERNELS if (all_dtypes or k.float64_only)
+    return [k for k in OPAQUE_KERNELS if (all_dtypes or (k.float64_only and not k.on_demand))
             and (names is None or _function_name(k) in names)]
 
 
@@ -168,7 +169,8 @@ def start_background(names):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m iterops.warmup", description=__doc__.split("\n\n")[0])
     parser.add_argument("--all-dtypes", action="store_true",
-                        help="also the float32 and complex kernel variants (default: float64 only)")
+                        help="also the float32 and complex kernel variants and the kernels otherwise compiled on "
+                             "first use (the Kalman filter's second derivatives); default: the float64 ones")
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--jobs", type=int, default=1,
                         help="processes to split the work over (each compiles its share once; default 1)")

@@ -207,6 +207,18 @@ def test_background_compile_is_waited_for_and_not_repeated(tmp_path):
     assert not [line for line in out.stderr.splitlines() if line.startswith("iterops:")], out.stderr
 
 
+def test_kernels_compiled_on_demand_are_lazy_and_left_out_of_the_default_warmup():
+    """The Kalman filter's second-derivative kernel (51 CPU s cold, needed by few models) compiles when first called:
+    a :class:`~iterops._fused.LazyKernel`, not in ``python -m iterops.warmup``'s default list, in ``--all-dtypes``'."""
+    from iterops._fused import LazyKernel
+    from iterops.ts._kalman_second import _HVP
+    from iterops.warmup import _selected
+
+    assert isinstance(_HVP.kernel, LazyKernel) and _HVP.kernel.on_demand
+    assert _HVP.kernel not in _selected(False) and _HVP.kernel in _selected(True)
+    assert all(not k.on_demand for k in _selected(False))
+
+
 def test_warmup_rejects_an_unknown_kernel_name():
     out = subprocess.run([sys.executable, "-m", "iterops.warmup", "--kernels", "iterops.ts.kalman._no_such_abi"],
                          capture_output=True, text=True, timeout=600)

@@ -41,7 +41,8 @@ __all__ = ["KalmanFilterHVP", "adjoint_pullback"]
 #: the direction ``w``, the written ``x_bar`` and ``J w``, which of T's and Z's cotangents are read
 HVP_ABI = Abi(inputs=INPUTS, options=OPTIONS, cot=COTANGENTS, direction=INPUT_COTANGENTS, grad=INPUT_COTANGENTS,
               tangent=Struct(Tangents, loglik=1, **FILTER_OUTPUTS.kinds), want=Struct(Wanted, T="b", Z="b"))
-_HVP = Barrier(hessian_vector_kernel, HVP_ABI, "kalman")
+# compiled when first called (51 CPU s cold): most models never take a second derivative
+_HVP = Barrier(hessian_vector_kernel, HVP_ABI, "kalman", on_demand=True)
 
 _WHERE_W = "(the shape of the filter input it is a direction of)"
 
