@@ -31,8 +31,9 @@ The recursion is the filter's (module docstring of :mod:`iterops.ts.kalman`), on
     a' = T a_f + c;  P' = T P_f T^T + R sym(Q) R^T
 
 and its reverse, stage by stage, for the cotangents of all eight outputs (:func:`_update_vjp`,
-:func:`_predict_vjp`), from what the forward pass taped of each step (:class:`_Tape`).  Paths: missing components (NaN or ``missing_value``), time-varying matrices,
-``cov_jitter``.  The univariate update and the steady-state shortcut of the first-order kernels are ways of
+:func:`_predict_vjp`), from what the forward pass taped of each step (:class:`_Tape`).  Paths: missing components
+(NaN or ``missing_value``), time-varying matrices, ``cov_jitter``.  Products with ``T`` skip its zeros when at most
+half are nonzero (:class:`_Sparse`); static ``R``, ``Q`` are reversed once, on the sum of the steps' cotangents.  The univariate update and the steady-state shortcut of the first-order kernels are ways of
 computing this recursion, to rounding: the second derivatives are those of the recursion itself, every step
 run in full.  The diffuse filter's adjoint is not covered (its pullback raises ``NotImplementedError``).
 
@@ -135,12 +136,21 @@ def _replay(P, o, u, tape, t):
     return _Update(u.S, u.v, tape.vo[t], ZS, u.F, u.L, tape.Finv[t], u.M, tape.u[t], u.K, tape.af[t], Pf)
 
 
+class _Rows(NamedTuple):
+    """The rows of one step's input cotangents that its measurement update adds to (complex)."""
+
+    y: np.ndarray  #: (p,)
+    d: np.ndarray  #: (p,)
+    Z: np.ndarray  #: (p, m)
+    H: np.ndarray  #: (p, p)
+
+
 class _Reverse(NamedTuple):
     """Work arrays of one reverse step (complex)."""
 
     af: np.ndarray  #: (m,) cotangent of a_f
     Pf: np.ndarray  #: (m, m) cotangent of P_f
-    S: np.ndarray  #: (m, m) scratch
+    S: np.ndarray  #: (m, m) cotangent of S = sym(P) (:func:`_update_vjp`); scratch of :func:`_predict_vjp` before
     G2: np.ndarray  #: (m, m) G + G^T, G the cotangent of the next prediction's covariance
     W: np.ndarray  #: (m, m) scratch
     X: np.ndarray  #: (p, p) F_oo^{-1} + j F_oo^{-1} F_oo^{-1}
@@ -396,12 +406,13 @@ def _rq_vjp(R, Q, G, rw, gR, gQ):
 
 
 @numba.njit(cache=True)
-def _update_vjp(a, o, Z, jitter, ll_bar, gF, u, rw, gy, gd, gZ, gH, a_bar, S_bar, want_Z):
-    """Reverse of :func:`_update` (``u`` its work arrays) for the cotangents ``rw.af``, ``rw.Pf`` of ``a_f``, ``P_f``,
-    ``ll_bar`` of ``ll``, ``rw.vb`` (on entry) of ``v`` and ``gF`` of ``F``: writes the cotangents ``a_bar`` of ``a`` and
-    ``S_bar`` of ``S = sym(P)``; adds to ``gy`` (this step's row), ``gd``, ``gZ`` (when ``want_Z``), ``gH``."""
+def _update_vjp(a, o, Z, jitter, ll_bar, gF, u, rw, rows, a_bar, want_Z):
+    """Reverse of :func:`_update` (``u`` its :class:`_Update`) for the cotangents ``rw.af``, ``rw.Pf`` of ``a_f``,
+    ``P_f``, ``ll_bar`` of ``ll``, ``rw.vb`` (on entry) of ``v`` and ``gF`` of ``F``: writes the cotangents ``a_bar`` of
+    ``a`` and ``rw.S`` of ``S = sym(P)``; adds to this step's :class:`_Rows` ``rows`` (``Z``'s when ``want_Z``)."""
     m, p = a.shape[0], o.shape[0]
-    b, B = rw.af, rw.Pf
+    b, B, S_bar = rw.af, rw.Pf, rw.S
+    gy, gd, gZ, gH = rows
     # X = F^-1 + j F^-1 F^-1 (P_f = S - M X M^T + j I): M_bar = b u^T - (B + B^T) M X, X_bar = -M^T B M
     matmul(u.Finv, u.Finv, rw.X, jitter, 0.0)
     for i in range(p):
@@ -560,7 +571,7 @@ def hessian_vector_kernel(x, options, cot, w, grad, tangent, want):
                             np.zeros(sc.R.shape, dtype=np.complex128), np.zeros(sc.H.shape, dtype=np.complex128),
                             np.zeros(sc.Q.shape, dtype=np.complex128)))
     gs = g.system
-    a_bar, G, S_bar = np.zeros(m, dtype=np.complex128), np.zeros((m, m), dtype=np.complex128), _complex((m, m))
+    a_bar, G = np.zeros(m, dtype=np.complex128), np.zeros((m, m), dtype=np.complex128)
     gF0 = np.zeros((p, p))
     G_sum = np.zeros((m, m), dtype=np.complex128)
     _row_add(cot.predicted_state, n, a_bar)
@@ -585,12 +596,12 @@ def hessian_vector_kernel(x, options, cot, w, grad, tangent, want):
         _row_add(cot.forecast_error, t, rw.vb)
         ll_bar = cot.loglik + (cot.loglik_obs[t] if cot.loglik_obs.shape[0] > 0 else 0.0)
         gF = cot.forecast_error_cov[t] if cot.forecast_error_cov.shape[0] > 0 else gF0
-        _update_vjp(ap[t], o[t], Z, jitter, ll_bar, gF, ut, rw, g.y[t], gs.d[ti(gs.d, t)], gs.Z[ti(gs.Z, t)],
-                    gs.H[ti(gs.H, t)], a_bar, S_bar, want.Z)
+        rows = _Rows(g.y[t], gs.d[ti(gs.d, t)], gs.Z[ti(gs.Z, t)], gs.H[ti(gs.H, t)])
+        _update_vjp(ap[t], o[t], Z, jitter, ll_bar, gF, ut, rw, rows, a_bar, want.Z)
         _row_add(cot.predicted_state, t, a_bar)
         for i in range(m):
             for j in range(m):
-                G[i, j] = 0.5 * (S_bar[i, j] + S_bar[j, i])
+                G[i, j] = 0.5 * (rw.S[i, j] + rw.S[j, i])
         _row_add(cot.predicted_cov, t, G)
     if static_rq:
         _rq_vjp(sc.R[0], sc.Q[0], G_sum, rw, gs.R[0], gs.Q[0])
