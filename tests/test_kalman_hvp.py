@@ -59,9 +59,7 @@ def _both(x, g, w, tv, jitter, missing_value):
     return f_fused(*vals), f_scan(*vals)
 
 
-@settings(max_examples=12, deadline=None)
-@given(data=st.data())
-def test_hvp_equals_reverse_twice_through_the_scan(data):
+def _check_against_the_scan(data):
     """Random shapes, missing entries, sentinel, jitter, time-varying flags, connected outputs and directions:
     x_bar and J w equal PyTensor's reverse mode twice through the filter's Scan."""
     n, m, p, r = (data.draw(st.integers(lo, hi)) for lo, hi in ((1, 6), (1, 3), (1, 3), (1, 2)))
@@ -77,6 +75,21 @@ def test_hvp_equals_reverse_twice_through_the_scan(data):
     fused, scan = _both(x, g, w, tv, jitter, missing_value)
     for a, b in zip(fused, scan):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9 * max(1.0, np.max(np.abs(b), initial=0.0)))
+
+
+#: each example builds and rewrites a new second-order Scan graph (about 12 CPU s): a few in the default suite, a
+#: deep run under ``-m slow``
+@settings(max_examples=5, deadline=None)
+@given(data=st.data())
+def test_hvp_equals_reverse_twice_through_the_scan(data):
+    _check_against_the_scan(data)
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_hvp_equals_reverse_twice_through_the_scan_deep(data):
+    _check_against_the_scan(data)
 
 
 def test_hessian_of_loglik_and_loglik_obs_together_matches_finite_differences(rng):
