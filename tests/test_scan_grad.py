@@ -18,7 +18,7 @@ from pytensor.scan.op import Scan
 from pytensor.scan.utils import until
 
 import iterops  # noqa: F401
-from conftest import SCAN_ORACLE
+from conftest import SCAN_ORACLE, as_run_by_python
 
 #: graphs compiled without a mode run by perform under NUMBA mode's rewrites (tests/conftest.py, ``_python_run``)
 pytestmark = pytest.mark.python_run
@@ -245,7 +245,9 @@ def grammar_functions():
             xs = pytensor.scan(step, sequences=[seq], outputs_info=[x0], non_sequences=[W, w], return_updates=False)
             cost = (xs[-1] ** 2).sum()
             g = pt.grad(cost, [x0, seq, W, w], disconnected_inputs="ignore")
-            f, f0 = _pair([x0, seq, W, w], g, "NUMBA")
+            # NUMBA's rewrites (the one under test among them), run by ``perform``: a Numba compile of each
+            # random program's two Scans took about 7 CPU s; linking rewritten Scans is tested above
+            f, f0 = _pair([x0, seq, W, w], g, as_run_by_python("NUMBA"))
             cache[key] = (f, f0)
         return cache[key]
 
@@ -284,7 +286,6 @@ def test_large_steps_keep_their_tape(layers, rng):
     (NUMBA's rewrites, run by ``perform``: nothing compiled)."""
     from pytensor.graph.traversal import applys_between
 
-    from conftest import as_run_by_python
     from iterops.scan_grad import MAX_INNER_NODES
 
     def step(x, W):
