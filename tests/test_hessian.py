@@ -554,3 +554,50 @@ def _has_scan(model, fused):
     with contextlib.nullcontext() if fused else iterops.fusion.disabled():
         f = model.compile_dlogp(mode=RUN if fused else SCAN_ORACLE)
     return any(isinstance(n.op, Scan) for n in f.f.maker.fgraph.apply_nodes)
+
+
+@pytest.mark.slow  # a few minutes: Numba compiles the loss, gradient, Hessian-vector product and pathfinder graphs
+def test_laplace_family_on_the_pymc_extras_structural_model_under_numba():
+    """find_MAP(compute_hessian=True), fit_laplace and pathfinder on pymc-extras' structural model (level + trend +
+    12-month seasonal + measurement error, 13 states) as a user calls them: the default (Numba) mode, the filter
+    fused on ``import iterops``, its second derivatives by the fused kernel.  Oracle: the same model's Scan
+    (iterops' rewrites off, run by ``perform``): its gradient vanishes at the MAP, and the inverse of central
+    differences of its gradient there is the Laplace covariance."""
+    import warnings  # noqa: PLC0415
+
+    import pymc as pm  # noqa: PLC0415
+    from pymc_extras.inference import find_MAP, fit, fit_laplace  # noqa: PLC0415
+
+    warnings.simplefilter("ignore")
+    rng = np.random.default_rng(4)
+    t = np.arange(48)
+    y = 300 + 0.1 * t + 3 * np.sin(2 * np.pi * t / 12) + np.cumsum(rng.normal(0, 0.3, 48)) + rng.normal(0, 0.2, 48)
+    y[[7, 30]] = np.nan
+    model = examples.pymc_extras_structural_model(y[:, None], 12)
+    assert not _has_scan(model, fused=True) and _has_scan(model, fused=False)
+    kw = dict(model=model, progressbar=False, random_seed=1)
+    idata = find_MAP(method="trust-ncg", compute_hessian=True, **kw)
+    mean, cov = idata.fit["mean_vector"].values, idata.fit["covariance_matrix"].values
+
+    # find_MAP's vector orders the value variables its own way (its rows name them): the oracle reads it alike
+    names = list(dict.fromkeys(str(r).split("[")[0] for r in idata.fit["mean_vector"].coords["rows"].values))
+    value_vars = {v.name: v for v in model.continuous_value_vars}
+    with iterops.fusion.disabled():
+        [neg_logp], flat = pm.pytensorf.join_nonshared_inputs(
+            model.initial_point(), [-model.logp(jacobian=False)], [value_vars[n] for n in names])
+        scan_grad = pytensor.function([flat], pytensor.grad(neg_logp, flat), mode=SCAN_ORACLE)
+    g = scan_grad(mean)
+    assert np.max(np.abs(g)) < 1e-4 * max(1.0, np.max(np.abs(scan_grad(mean + 0.1))))
+    eps = 1e-5
+    fd = np.stack([(scan_grad(mean + eps * e) - scan_grad(mean - eps * e)) / (2 * eps) for e in np.eye(len(mean))],
+                  axis=1)
+    np.testing.assert_allclose(cov, np.linalg.inv(0.5 * (fd + fd.T)), rtol=1e-4, atol=1e-6 * np.max(np.abs(cov)))
+
+    laplace = fit_laplace(optimize_method="trust-ncg", draws=100, vectorize_draws=False, **kw)
+    np.testing.assert_allclose(laplace.fit["covariance_matrix"].values, cov, rtol=1e-6,
+                               atol=1e-9 * np.max(np.abs(cov)))
+    assert all(np.all(np.isfinite(v.values)) for v in laplace.posterior.data_vars.values())
+
+    pf = fit(method="pathfinder", num_paths=2, num_draws=100, num_draws_per_path=50, parallel=False,
+             vectorize_postprocessing=False, **kw)
+    assert all(np.all(np.isfinite(v.values)) for v in pf.posterior.data_vars.values())
