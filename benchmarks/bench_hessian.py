@@ -20,14 +20,22 @@ costs).  Calls: best of 5 rounds.  ``model.compile_d2logp()`` (a Scan over the H
 the same products) is not timed: under NUMBA its compile of the Scan model did not finish in 108 CPU
 minutes (2026-12-04), which is why pymc-extras' ``hessp`` route is measured.
 
+A second section (:func:`run_laplace`, left out by ``--quick``): pymc-extras' ``fit_laplace`` on the same model
+as a user runs it, each side in a new process (imports, model, optimization, Hessian, draws).
+
 Regenerate: ``scripts/dev bench --update hessian``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import subprocess
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 from pymc.blocking import DictToArrayBijection
@@ -36,6 +44,74 @@ from pytensor.compile.mode import get_mode
 import iterops
 from benchmarks._harness import Section, Target, best_time, ms
 from benchmarks.bench_fusion import _structural_model
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: a new process (``argv[1]``: fused or scan): imports, the structural model, then pymc-extras' ``fit_laplace`` as a
+#: user calls it (trust-ncg; the Laplace covariance from one Hessian-vector product per parameter at the MAP);
+#: ``vectorize_draws=False``: pymc-extras' vectorized draws leave its state space models' constant ``P0``
+#: Deterministic without draw dimensions, and arviz raises on its dims, with or without iterops
+_LAPLACE = """
+import json, sys, time, warnings
+t0 = time.perf_counter()
+warnings.simplefilter("ignore")
+import contextlib
+import iterops
+from pytensor.compile.mode import get_mode
+from pymc_extras.inference import fit_laplace
+from benchmarks.bench_fusion import _structural_model
+fused = sys.argv[1] == "fused"
+mode = get_mode("NUMBA") if fused else get_mode("NUMBA").excluding("iterops")
+t1 = time.perf_counter()
+with contextlib.nullcontext() if fused else iterops.fusion.disabled():
+    model = _structural_model(240)
+    idata = fit_laplace(model=model, optimize_method="trust-ncg", draws=1000, vectorize_draws=False,
+                        progressbar=False, random_seed=1, compile_kwargs={"mode": mode})
+t2 = time.perf_counter()
+print("RESULT " + json.dumps({"imports": t1 - t0, "fit": t2 - t1, "mean": idata.fit["mean_vector"].values.tolist(),
+                              "cov": idata.fit["covariance_matrix"].values.tolist()}))
+"""
+
+
+def _laplace_run(impl: str) -> dict:
+    """One new process of :data:`_LAPLACE`; wall seconds of its imports and of the model + ``fit_laplace``."""
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _LAPLACE, impl], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"fit_laplace benchmark subprocess failed:\n{proc.stderr[-3000:]}")
+    out = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    out["process"] = time.perf_counter() - t
+    return out
+
+
+def run_laplace() -> Section:
+    """``fit_laplace`` on the structural model end to end in a new process, fused vs Scan, caches warm."""
+    load = os.getloadavg()[0]
+    section = Section(
+        title="fit_laplace end to end: pymc-extras structural model, a new process, fused vs Scan (NUMBA)",
+        columns=["implementation", "whole process (s)", "imports (s)", "model + fit_laplace (s)", "ratio (whole)"],
+    )
+    for impl in ("fused", "scan"):  # warm on-disk caches (what a user's second run finds)
+        _laplace_run(impl)
+    res = {impl: _laplace_run(impl) for impl in ("fused", "scan")}
+    for impl, r in res.items():
+        section.rows.append([impl, r["process"], r["imports"], r["fit"], res["scan"]["process"] / r["process"]])
+    f, s = (np.asarray(res[i]["mean"]) for i in ("fused", "scan"))
+    cf, cs = (np.asarray(res[i]["cov"]) for i in ("fused", "scan"))
+    section.targets.append(Target("fit_laplace, fused: 120 s / whole process (s)", 120.0 / res["fused"]["process"],
+                                  1.0))
+    section.notes = "\n".join([
+        "- `fit_laplace(model, optimize_method='trust-ncg', draws=1000, vectorize_draws=False)` as a user calls it, "
+        "in a new Python process: imports (PyMC, pymc-extras, iterops), the model (13 states, n = 240, 4 missing), "
+        "the MAP by trust-ncg from the initial point, the covariance from one Hessian-vector product per parameter, "
+        "1000 draws. Numba's and PyTensor's caches warm (each side run once before, untimed). Scan: iterops' "
+        "rewrites off (`iterops.fusion.disabled()`, `mode.excluding('iterops')`).",
+        f"- The two fits agree: MAP max abs difference {float(np.max(np.abs(f - s))):.2g}, covariance max abs "
+        f"difference {float(np.max(np.abs(cf - cs))):.2g} (largest entry {float(np.max(np.abs(cs))):.3g}).",
+        f"- 1-minute load average at the start: {load:.1f} on {os.cpu_count()} cores.",
+    ])
+    return section
 
 
 def _has_filter_op(fn):
@@ -116,4 +192,4 @@ def run(quick: bool) -> list[Section]:
         "(2026-12-07, load 1-2); before the fused kernel it compiled for about 16 minutes. The Scan model's did not "
         "finish in 108 CPU minutes (2026-12-04).",
     ])
-    return [section]
+    return [section] if quick else [section, run_laplace()]
