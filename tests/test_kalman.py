@@ -195,7 +195,8 @@ def test_matches_pymc_extras_standard_filter():
     # theirs: their Scan, iterops' rewrites off and run by ``perform`` (a Numba compile of the Scan took ~40 CPU s);
     # ours: the fused Op compiled by Numba
     args = model_args(model)
-    vals = [*pytensor.function(ins, theirs, mode=SCAN_ORACLE)(*args), *pytensor.function(ins, ours, mode="FAST_RUN")(*args)]
+    vals = [*pytensor.function(ins, theirs, mode=SCAN_ORACLE)(*args),
+            *pytensor.function(ins, ours, mode="FAST_RUN")(*args)]
     th = dict(zip(names, vals[: len(theirs)]))
     us = KF = type(ours)(*vals[len(theirs):])
     assert filt.cov_jitter == 1e-8
