@@ -7,8 +7,12 @@ baseline, never as absolute pass/fail thresholds in tests.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -102,6 +106,17 @@ def _fmt(v) -> str:
             return f"{v:.0f}"
         return f"{v:.3g}"
     return str(v)
+
+
+def child_result(code: str, *args: str, what: str, env: dict | None = None) -> dict:
+    """Run ``code`` with ``python -c`` in a new process (in the repository root, ``args`` as its ``sys.argv[1:]``);
+    the JSON it printed on a line ``RESULT {...}``.  A failed process raises ``RuntimeError`` naming ``what``, with
+    the end of its stderr."""
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
 
 
 def ms(seconds: float) -> float:

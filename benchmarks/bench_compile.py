@@ -19,18 +19,14 @@ Loop recognition's share of compiles is measured by ``benchmarks/bench_recogniti
 
 from __future__ import annotations
 
-import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import textwrap
-from pathlib import Path
 
-from benchmarks._harness import Section
+from benchmarks._harness import Section, child_result
 
-ROOT = Path(__file__).resolve().parents[1]
 
 _PRELUDE = """
 import json, resource, time, warnings
@@ -139,13 +135,8 @@ def _run(code: str, numba_dir: str, pytensor_dir: str | None = None) -> dict:
                    PYTENSOR_FLAGS=f"base_compiledir={pytensor_dir or numba_dir + '/pytensor'},compiledir={compiledir},"
                    + os.environ.get("PYTENSOR_FLAGS", ""))
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        proc = subprocess.run([sys.executable, "-c", _PRELUDE + textwrap.dedent(code) + _REPORT], cwd=ROOT, env=env,
-                              capture_output=True, text=True)
+        out = child_result(_PRELUDE + textwrap.dedent(code) + _REPORT, what="compile benchmark subprocess", env=env)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode != 0:
-        raise RuntimeError(f"compile benchmark subprocess failed:\n{proc.stderr[-3000:]}")
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    out = json.loads(line[len("RESULT "):])
     out["process_cpu"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return out
 

@@ -19,15 +19,11 @@ compiled code on disk by default, so the numpyro route compiles in every process
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
-from benchmarks._harness import Section, Target
+from benchmarks._harness import Section, Target, child_result
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _CODE = """
 import time, warnings
@@ -77,10 +73,7 @@ MODELS = {
 def _fit(model: str, impl: str, sampler: str, draws: int, tune: int) -> dict:
     code = _CODE.format(build=textwrap.dedent(MODELS[model](impl)), impl=impl, sampler=sampler, draws=draws,
                         tune=tune)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"end-to-end fit failed ({model}, {impl}, {sampler}):\n{proc.stderr[-3000:]}")
-    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    return child_result(code, what=f"end-to-end fit ({model}, {impl}, {sampler})")
 
 
 def run(quick: bool = False) -> list[Section]:

@@ -29,24 +29,18 @@ Regenerate: ``scripts/dev bench --update hessian``.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import subprocess
-import sys
 import time
 import warnings
-from pathlib import Path
 
 import numpy as np
 from pymc.blocking import DictToArrayBijection
 from pytensor.compile.mode import get_mode
 
 import iterops
-from benchmarks._harness import Section, Target, best_time, ms
+from benchmarks._harness import Section, Target, best_time, ms, child_result
 from benchmarks.bench_fusion import _structural_model
 
-
-ROOT = Path(__file__).resolve().parents[1]
 
 #: a new process (``argv[1]``: fused or scan): imports, the structural model, then pymc-extras' ``fit_laplace`` as a
 #: user calls it (trust-ncg; the Laplace covariance from one Hessian-vector product per parameter at the MAP);
@@ -77,10 +71,7 @@ print("RESULT " + json.dumps({"imports": t1 - t0, "fit": t2 - t1, "mean": idata.
 def _laplace_run(impl: str) -> dict:
     """One new process of :data:`_LAPLACE`; wall seconds of its imports and of the model + ``fit_laplace``."""
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _LAPLACE, impl], cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"fit_laplace benchmark subprocess failed:\n{proc.stderr[-3000:]}")
-    out = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    out = child_result(_LAPLACE, impl, what="fit_laplace benchmark subprocess")
     out["process"] = time.perf_counter() - t
     return out
 

@@ -10,17 +10,12 @@ without iterops.  Numba's and PyTensor's caches are the machine's (warm).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import tempfile
 import textwrap
-from pathlib import Path
 
-from benchmarks._harness import Section, Target
+from benchmarks._harness import Section, Target, child_result
 
-ROOT = Path(__file__).resolve().parents[1]
 #: processes per median row
 REPEAT = 3
 
@@ -100,11 +95,7 @@ def _recognition_run(build: str, folder: str) -> dict:
     code = _RECOGNITION.format(build=textwrap.indent(textwrap.dedent(build), ""))
     from iterops.fusion import cache  # noqa: PLC0415
 
-    proc = subprocess.run([sys.executable, "-c", code, folder, cache.digest()], cwd=ROOT, capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"recognition benchmark subprocess failed:\n{proc.stderr[-3000:]}")
-    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    return child_result(code, folder, cache.digest(), what="recognition benchmark subprocess")
 
 
 def _hits(r: dict) -> str:
