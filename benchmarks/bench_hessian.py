@@ -171,11 +171,13 @@ def run(quick: bool) -> list[Section]:
         "run once more on `x + i h w` in complex arithmetic (forward mode over the hand-written reverse mode, exact "
         "to rounding), no Scan. Before it (2026-12-04) the pullback was PyTensor's reverse mode twice through a Scan "
         "of the recursion and the fused HVP cost what the Scan model's did (13.3 ms each, 1.05x for the Hessian).",
-        "- Where the fused HVP's time goes (n = 240, 2026-12-07): the graph runs the filter, its adjoint and the "
-        "second-derivative kernel; the kernel alone takes about 1.6 ms, a third forward and the rest reverse (it "
-        "reads a tape of each step's update). Complex arithmetic costs about four real multiply-adds per product "
-        "and vectorises poorly: the 10x targets need a real-arithmetic tangent kernel (several directions per pass "
-        "for a Hessian), not built.",
+        "- Where the fused HVP's time goes (n = 240): the `hessp` graph runs the filter (its log-likelihoods feed "
+        "PyMC's `-inf` guard, whose mask is the cotangent) and the second-derivative kernel, about 1.6 ms, a third "
+        "forward and the rest reverse (it reads a tape of each step's update). The adjoint Op that the "
+        "transforms' second-order term reads is gone since 2026-12-08 (`gradient_from_hvp`: the HVP kernel's "
+        "real part is that gradient; HVP 2.16 -> 1.85 ms, Hessian 36.8 -> 31.3 ms, same process and load). "
+        "Complex arithmetic costs about four real multiply-adds per product and vectorises poorly: the 10x "
+        "targets need a real-arithmetic tangent kernel (several directions per pass for a Hessian), not built.",
         "- Scan: the same model with iterops' rewrites off; PyTensor differentiates pymc-extras' filter Scan twice.",
         f"- The two Hessians agree: max abs difference {diff:.2g} (largest entry {scale:.3g}).",
         "- `model.compile_d2logp()` (a Scan over the rows around the same products), fused, kernels cached: "

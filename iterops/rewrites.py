@@ -18,6 +18,9 @@ name                                      database (position)                  b
 ``iterops_builtin_lyapunov``              ``canonicalize``                     all       PyTensor's bilinear
                                                                                          ``solve_discrete_lyapunov``
                                                                                          -> the fused solver
+``iterops_kalman_gradient_from_hvp``     ``optdb`` (48.9)                     all       Kalman adjoint Op + its
+                                                                                         pullback on the same
+                                                                                         inputs -> one HVP kernel
 ``iterops_kalman_unused_outputs``        ``optdb`` (49.0)                     all       Kalman Ops skip outputs
                                                                                          nobody reads (F; the
                                                                                          cotangents of T, Z)
@@ -37,6 +40,7 @@ from iterops.fusion.rewrite import FuseLoopsEverywhere, fuse_scan, is_enabled
 from iterops.linalg.lyapunov import builtin_lyapunov_to_fused
 from iterops.linalg.lyapunov_iteration import share_fixed_point_trace
 from iterops.scan_grad import scan_mit_mot_to_sit_sot, scan_reversed_tail
+from iterops.ts._kalman_second import gradient_from_hvp
 from iterops.ts.kalman import kalman_unused_outputs
 
 __all__ = ["register"]
@@ -73,6 +77,8 @@ def register() -> None:
     optdb.register("iterops_scan_reversed_tail", dfs_rewriter(scan_reversed_tail, ignore_newtrees=True),
                    "fast_run", "scan", "iterops", position=1.591)
     optdb["specialize"].register("iterops_share_fixed_point_trace", share_fixed_point_trace, "numba", "iterops")
+    optdb.register("iterops_kalman_gradient_from_hvp", dfs_rewriter(gradient_from_hvp, ignore_newtrees=True),
+                   "fast_run", "fast_compile", "iterops", position=48.9)
     optdb.register("iterops_kalman_unused_outputs",
                    dfs_rewriter(kalman_unused_outputs, ignore_newtrees=True),
                    "fast_run", "fast_compile", "iterops", position=49.0)

@@ -11,10 +11,10 @@ import pytensor.tensor as pt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kalman_scan_oracle import scan_pullback
+from kalman_scan_oracle import filter_graph, scan_pullback
 from pytensor.gradient import hessian_vector_product, jacobian
 
-from conftest import FAST_PY
+from conftest import FAST_PY, SCAN_ORACLE
 from iterops import ts
 from iterops.ts._kalman_second import KalmanFilterHVP
 from iterops.ts.kalman import KalmanFilter
@@ -122,14 +122,15 @@ def _hvp_graph(y, p=2):
 
 
 def test_hvp_graph_is_one_fused_op_without_scans(rng):
-    """A Hessian-vector product: the filter, its adjoint and one KalmanFilterHVP, no Scan; Z's x_bar unread (Z holds
-    no parameter), so the rewrite leaves it out; equal to central differences of the gradient along ``v``."""
+    """A Hessian-vector product: one KalmanFilterHVP, no Scan, no adjoint Op (the HVP kernel's real part is the
+    gradient the squared parameters' second-order term needs); Z's x_bar unread (Z holds no parameter), so the
+    rewrite leaves it out; equal to central differences of the gradient along ``v``."""
     y = rng.normal(size=(12, 2))
     th, v, ll, hvp = _hvp_graph(y)
     f = pytensor.function([th, v], hvp)
     ops = [getattr(n.op, "core_op", n.op) for n in f.maker.fgraph.apply_nodes]
     names = [type(op).__name__ for op in ops]
-    assert names.count("KalmanFilterHVP") == 1 and "Scan" not in names, names
+    assert names.count("KalmanFilterHVP") == 1 and "Scan" not in names and "KalmanFilterGrad" not in names, names
     assert "Z" in next(op for op in ops if isinstance(op, KalmanFilterHVP)).unused
     fg = pytensor.function([th], pytensor.grad(ll, th))
     x0, v0, eps = np.array([0.5, -0.2, 1.0, 0.6, 1.5]), rng.normal(size=5), 1e-5
@@ -187,3 +188,48 @@ def test_second_derivative_runs_no_adjoint_pass_for_a_zero_cotangent(rng):
     x0, eps = np.array([0.5, -0.2, 1.0, 0.6]), 1e-5
     fd = np.stack([(fg(x0 + eps * e) - fg(x0 - eps * e)) / (2 * eps) for e in np.eye(4)], axis=1)
     np.testing.assert_allclose(f(x0), fd, rtol=0, atol=1e-6 * np.max(np.abs(fd)))
+
+
+def _transformed_model(kalman_filter, y):
+    """A log-likelihood of ``th`` through nonlinear transforms (``tanh``, ``exp``: a Hessian-vector product needs the
+    first-order gradient too), the filter given as ``kalman_filter(y, a0, P0, c, d, T, Z, R, H, Q)``."""
+    th = pt.vector("th", shape=(5,))
+    T = pt.stack([pt.tanh(th[:2]), pt.as_tensor([1.0, 0.0])])
+    Z = pt.as_tensor(np.ones((y.shape[1], 2)) * [1.0, 0.3])
+    H = pt.eye(y.shape[1]) * pt.exp(th[3]) + 0.1
+    ll = kalman_filter(y, pt.zeros(2), pt.eye(2) * pt.exp(th[4]), pt.zeros(2), pt.zeros(y.shape[1]), T, Z,
+                       pt.as_tensor([[1.0], [0.0]]), H, pt.reshape(pt.exp(th[2]), (1, 1)))
+    return th, ll
+
+
+@pytest.mark.parametrize("direction", ["random", "huge", "nan"])
+def test_gradient_and_hvp_together_run_one_kernel_and_equal_the_scan(rng, direction):
+    """Regression (issue 51): a function of the gradient and a Hessian-vector product (pymc-extras' ``hessp`` of a
+    transformed model reads both) runs the HVP kernel alone, its real part the gradient; both equal PyTensor's
+    autodiff of the reference Scan.  A direction the complex step cannot take (beyond 2^900, NaN): NaN products,
+    the gradient unchanged."""
+    y = rng.normal(size=(15, 2))
+    y[3, 0] = np.nan
+    v = pt.vector("v", shape=(5,))
+    outs = {}
+    for name, filt in (("fused", lambda y, a0, P0, c, d, T, Z, R, H, Q: ts.kalman_filter(
+            y, a0, P0, c=c, d=d, T=T, Z=Z, R=R, H=H, Q=Q).loglik),
+            ("scan", lambda y, a0, P0, *system: filter_graph(
+                y, a0, P0, *(pt.as_tensor(x)[None] for x in system), (False,) * 7, 0.0, None,
+                needed=(True,) + (False,) * 7)[0])):
+        th, ll = _transformed_model(filt, y)
+        outs[name] = th, [pytensor.grad(ll, th), hessian_vector_product(ll, th, v)[0]]
+    th, (g, hv) = outs["fused"]
+    f = pytensor.function([th, v], [g, hv])
+    names = [type(getattr(n.op, "core_op", n.op)).__name__ for n in f.maker.fgraph.apply_nodes]
+    assert names.count("KalmanFilterHVP") == 1 and "KalmanFilterGrad" not in names, names
+    th_s, outs_s = outs["scan"]
+    f_scan = pytensor.function([th_s, v], outs_s, mode=SCAN_ORACLE)
+    x0, v0 = np.array([0.5, -0.2, 0.1, -0.3, 0.4]), rng.normal(size=5)
+    v0 = {"random": v0, "huge": np.full(5, 1e300), "nan": np.r_[np.nan, v0[1:]]}[direction]
+    (g_f, hv_f), (g_s, hv_s) = f(x0, v0), f_scan(x0, v0)
+    np.testing.assert_allclose(g_f, g_s, rtol=1e-10, atol=1e-12)
+    if direction == "random":
+        np.testing.assert_allclose(hv_f, hv_s, rtol=1e-9, atol=1e-12)
+    else:
+        assert np.all(np.isnan(hv_f))

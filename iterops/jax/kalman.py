@@ -292,10 +292,11 @@ def kalman_filter_vjp(inputs, cotangents, options=KalmanOptions()):
     return _adjoint(inputs, outs, res, _cotangents(cotangents, outs), options)
 
 
-def kalman_filter_hvp(inputs, cotangents, directions, options=KalmanOptions()):
+def kalman_filter_hvp(inputs, cotangents, directions, options=KalmanOptions(), with_gradient=False):
     """The second derivatives of :class:`~iterops.ts._kalman_second.KalmanFilterHVP`: ``(x_bar, J w)`` with
     ``x_bar = d/de J(x + e w)^T g`` and ``J w`` the tangents of the 8 outputs, each of its cotangent's shape (a
-    zero-size placeholder gets an empty one).  Forward mode (``jax.jvp``) over :func:`kalman_filter_vjp`'s scans."""
+    zero-size placeholder gets an empty one); ``with_gradient``: then ``J(x)^T g`` (the primal of ``x_bar``).
+    Forward mode (``jax.jvp``) over :func:`kalman_filter_vjp`'s scans."""
     inputs = tuple(jnp.asarray(x, jnp.float64) for x in inputs)
     directions = tuple(jnp.asarray(x, jnp.float64) for x in directions)
 
@@ -303,8 +304,9 @@ def kalman_filter_hvp(inputs, cotangents, directions, options=KalmanOptions()):
         outs, res = _filter_scan(x[0], x[1], x[2], x[3:], options, residuals=True)
         return _adjoint(x, outs, res, _cotangents(cotangents, outs), options), outs
 
-    _, (x_bar, tangents) = jax.jvp(both, (inputs,), (directions,))
-    return (*x_bar, *(t if np.size(g) == t.size else jnp.zeros(np.shape(g)) for g, t in zip(cotangents, tangents)))
+    (u, _), (x_bar, tangents) = jax.jvp(both, (inputs,), (directions,))
+    jw = (t if np.size(g) == t.size else jnp.zeros(np.shape(g)) for g, t in zip(cotangents, tangents))
+    return (*x_bar, *jw, *(u if with_gradient else ()))
 
 
 def _adjoint(inputs, outs, res, cts, opts):
@@ -473,7 +475,7 @@ def register(jax_funcify):
 
         def kalman_filter_hvp_fn(*args):
             inputs, rest = op_inputs(args)
-            return kalman_filter_hvp(inputs, rest[:8], rest[8:], opts)
+            return kalman_filter_hvp(inputs, rest[:8], rest[8:], opts, op.with_gradient)
 
         return kalman_filter_hvp_fn
 

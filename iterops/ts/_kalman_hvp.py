@@ -42,9 +42,15 @@ Shapes: as the filter's (``y`` (n, p), system matrices with a time axis of 1 or 
 the input cotangents ``x_bar``; ``tangent`` (written) ``J w`` of each output whose cotangent is connected (a
 zero-row array is left alone), the log-likelihood's as a (1,) array.
 
+The real parts of the same pass are the filter's outputs and the first-order gradient ``J(x)^T g`` (the
+truncation term is again ``2^-200`` relative): written to ``value`` when asked (:class:`SecondWanted`), so that a
+graph holding both the adjoint Op and this pullback runs one kernel
+(:func:`iterops.ts._kalman_second.gradient_from_hvp`).
+
 Failure value: where some step's ``F_oo`` is not positive definite or not finite (the filter's
-``loglik = -inf``), or some entry of ``w`` exceeds ``2^900`` in magnitude, every entry of ``grad`` and ``tangent``
-is NaN.
+``loglik = -inf``), every entry of ``grad``, ``tangent`` and ``value`` is NaN; where some entry of ``w`` exceeds
+``2^900`` in magnitude or is not finite, every entry of ``grad`` and ``tangent`` is NaN and ``value`` is the
+unperturbed pass's gradient.
 
 It replaces PyTensor's reverse mode twice through a ``pytensor.scan`` of the recursion: the filter's Scan, its
 gradient Scan and their reverse (nested Scans that took minutes to compile under Numba).
@@ -62,13 +68,22 @@ from iterops._linalg_kernels import cho_inverse, cholesky, copy_into, matmul, no
 from iterops.ts._kalman_adjoint import Cotangents, InputCotangents
 from iterops.ts._kalman_steps import System, missing, ti
 
-__all__ = ["hessian_vector_kernel", "Tangents"]
+__all__ = ["hessian_vector_kernel", "Tangents", "SecondWanted"]
 
 #: the complex step is ``STEP / max|w|``: ``(h max|w|)^2 = 2^-200``, far below rounding, and no square of an
 #: imaginary part underflows
 STEP = 2.0**-100
 #: the smallest step taken (a direction of magnitude up to ``2^900``); a larger direction gives NaN
 MIN_STEP = 2.0**-1000
+
+
+class SecondWanted(NamedTuple):
+    """What :func:`hessian_vector_kernel` computes beyond ``grad`` and ``tangent``: the cotangents of ``T``, ``Z``
+    (as :class:`~iterops.ts._kalman_steps.Wanted`), and ``value``, the first-order gradient ``J(x)^T g``."""
+
+    T: bool
+    Z: bool
+    value: bool
 
 
 #: ``J w``, the forward tangent of each filter output (written): a :class:`Cotangents` of output-shaped arrays, the
@@ -189,11 +204,11 @@ def _reverse_work(m, p, r):
 
 @numba.njit(cache=True)
 def _perturbed(X, W, h):
-    """``X + i h W`` (complex128, C-contiguous, X's shape)."""
+    """``X + i h W`` (complex128, C-contiguous, X's shape); ``X`` when ``h`` is 0 (whatever ``W`` holds)."""
     out = np.empty(X.shape, dtype=np.complex128)
     xf, wf, of = X.reshape(-1), W.reshape(-1), out.reshape(-1)
     for i in range(xf.size):
-        of[i] = complex(xf[i], h * wf[i])
+        of[i] = complex(xf[i], h * wf[i] if h > 0.0 else 0.0)
     return out
 
 
@@ -226,15 +241,29 @@ def _absmax(X):
 
 
 @numba.njit(cache=True)
+def _all_finite(w):
+    """Whether every entry of the direction ``w`` (an :class:`InputCotangents`) is finite."""
+    s = w.system
+    for X in (w.y, w.P0, s.c, s.d):
+        if not np.all(np.isfinite(X)):
+            return False
+    for X in (s.T, s.Z, s.R, s.H, s.Q):
+        if not np.all(np.isfinite(X)):
+            return False
+    return bool(np.all(np.isfinite(w.a0)))
+
+
+@numba.njit(cache=True)
 def _observations(y, wy, h, options):
-    """``(y + i h w_y`` with 0 on missing entries, the observed mask: 1.0 observed, 0.0 missing)."""
+    """``(y + i h w_y`` (``y`` when ``h`` is 0) with 0 on missing entries, the observed mask: 1.0 observed,
+    0.0 missing)."""
     n, p = y.shape
     yc = np.zeros((n, p), dtype=np.complex128)
     o = np.zeros((n, p))
     for t in range(n):
         for i in range(p):
             if not missing(y[t, i], options):
-                yc[t, i] = complex(y[t, i], h * wy[t, i])
+                yc[t, i] = complex(y[t, i], h * wy[t, i] if h > 0.0 else 0.0)
                 o[t, i] = 1.0
     return yc, o
 
@@ -488,15 +517,33 @@ def _update_vjp(a, o, Z, jitter, ll_bar, gF, u, rw, rows, a_bar, want_Z):
 
 @numba.njit(cache=True)
 def _fail(grad, tangent):
-    """NaN in every output (the filter failed)."""
-    s = grad.system
-    for X in (grad.y, grad.P0, s.c, s.d, tangent.filtered_state, tangent.predicted_state, tangent.forecast_error):
+    """NaN in every entry of ``grad`` and ``tangent`` (the filter failed, or the direction is unusable)."""
+    _nan_cotangents(grad)
+    for X in (tangent.filtered_state, tangent.predicted_state, tangent.forecast_error):
         X[...] = np.nan  # 2-d
-    for X in (s.T, s.Z, s.R, s.H, s.Q, tangent.filtered_cov, tangent.predicted_cov, tangent.forecast_error_cov):
+    for X in (tangent.filtered_cov, tangent.predicted_cov, tangent.forecast_error_cov):
         X[...] = np.nan  # 3-d
-    grad.a0[...] = np.nan
     tangent.loglik[...] = np.nan
     tangent.loglik_obs[...] = np.nan
+
+
+@numba.njit(cache=True)
+def _nan_cotangents(grad):
+    """NaN in every entry of the :class:`InputCotangents` ``grad``."""
+    s = grad.system
+    for X in (grad.y, grad.P0, s.c, s.d):
+        X[...] = np.nan  # 2-d
+    for X in (s.T, s.Z, s.R, s.H, s.Q):
+        X[...] = np.nan  # 3-d
+    grad.a0[...] = np.nan
+
+
+@numba.njit(cache=True)
+def _real_into(Z, out):
+    """``out = Re(Z)`` (same shapes, C-contiguous)."""
+    zf, of = Z.reshape(-1), out.reshape(-1)
+    for i in range(zf.size):
+        of[i] = zf[i].real
 
 
 @numba.njit(cache=True)
@@ -509,25 +556,32 @@ def _row_add(g, t, out):
 
 
 @numba.njit(cache=True)
-def hessian_vector_kernel(x, options, cot, w, grad, tangent, want):
+def hessian_vector_kernel(x, options, cot, w, grad, tangent, value, want):
     """Module docstring: ``grad = Im(J(x + i h w)^T g) / h`` and ``tangent = Im(f(x + i h w)) / h`` for the filter's
     :class:`~iterops.ts.kalman.Inputs` ``x``, the outputs' :class:`Cotangents` ``cot``, the direction ``w`` and the
-    written :class:`InputCotangents` ``grad`` and :class:`Tangents` ``tangent``.  ``want``
-    (:class:`~iterops.ts._kalman_steps.Wanted`): the cotangents of ``T``/``Z`` where False are not computed (left
-    0; each costs O(m^3) / O(m^2 p) per step).  Returns 0.0, or 1.0 when the filter failed (NaN)."""
+    written :class:`InputCotangents` ``grad`` and :class:`Tangents` ``tangent``.  ``value`` (written when
+    ``want.value``): ``Re(J(x + i h w)^T g) = J(x)^T g``, the first-order gradient, to rounding (the real part of
+    the same pass).  ``want`` (:class:`SecondWanted`): the cotangents of ``T``/``Z`` where
+    False are not computed (left 0, in ``grad`` and ``value``; each costs O(m^3) / O(m^2 p) per step).  Returns
+    0.0, or 1.0 when the filter failed (NaN in ``grad``, ``tangent`` and ``value``)."""
     (n, p), m, r = x.y.shape, x.a0.shape[0], x.system.Q.shape[-1]
     h = _step_size(w)
-    if not h >= MIN_STEP:  # a direction beyond 2^900 in magnitude: the step would lose precision (subnormal)
+    # a direction beyond 2^900 in magnitude (the step would lose precision: subnormal) or not finite: NaN second
+    # derivatives; ``value`` (when wanted) from the unperturbed pass (hp = 0), as the first-order kernel gives it
+    usable = h >= MIN_STEP and _all_finite(w)
+    if not usable and not want.value:
         _fail(grad, tangent)
         return 1.0
-    y, o = _observations(x.y, w.y, h, options)
+    hp = h if usable else 0.0
+    h = h if usable else STEP  # divides imaginary parts that ``_fail`` overwrites
+    y, o = _observations(x.y, w.y, hp, options)
     s, ws = x.system, w.system
-    sc = System(_perturbed(s.c, ws.c, h), _perturbed(s.d, ws.d, h), _perturbed(s.T, ws.T, h),
-                _perturbed(s.Z, ws.Z, h), _perturbed(s.R, ws.R, h), _perturbed(s.H, ws.H, h),
-                _perturbed(s.Q, ws.Q, h))
+    sc = System(_perturbed(s.c, ws.c, hp), _perturbed(s.d, ws.d, hp), _perturbed(s.T, ws.T, hp),
+                _perturbed(s.Z, ws.Z, hp), _perturbed(s.R, ws.R, hp), _perturbed(s.H, ws.H, hp),
+                _perturbed(s.Q, ws.Q, hp))
     jitter = options.jitter
     ap, Pp = np.empty((n + 1, m), dtype=np.complex128), np.empty((n + 1, m, m), dtype=np.complex128)
-    ap[0], Pp[0] = _perturbed(x.a0, w.a0, h), _perturbed(x.P0, w.P0, h)
+    ap[0], Pp[0] = _perturbed(x.a0, w.a0, hp), _perturbed(x.P0, w.P0, hp)
     u, rw = _update_work(m, p), _reverse_work(m, p, r)
     RQR, TP, sx, tape = _complex((m, m)), _complex((m, m)), _sparse(m), _tape(n, m, p, want.T)
     static_rq = sc.R.shape[0] == 1 and sc.Q.shape[0] == 1
@@ -538,6 +592,8 @@ def hessian_vector_kernel(x, options, cot, w, grad, tangent, want):
         ll, ok = _update(ap[t], Pp[t], y[t], o[t], d, Z, H, jitter, u)
         if not ok:
             _fail(grad, tangent)
+            if want.value:
+                _nan_cotangents(value)
             return 1.0
         _record(u, tape, t)
         total += ll
@@ -605,6 +661,17 @@ def hessian_vector_kernel(x, options, cot, w, grad, tangent, want):
         _row_add(cot.predicted_cov, t, G)
     if static_rq:
         _rq_vjp(sc.R[0], sc.Q[0], G_sum, rw, gs.R[0], gs.Q[0])
+    if want.value:
+        out = value.system
+        for X, Y in ((g.y, value.y), (gs.c, out.c), (gs.d, out.d)):
+            _real_into(X, Y)
+        for X, Y in ((gs.T, out.T), (gs.Z, out.Z), (gs.R, out.R), (gs.H, out.H), (gs.Q, out.Q)):
+            _real_into(X, Y)
+        _real_into(a_bar, value.a0)
+        _real_into(G, value.P0)
+    if not usable:
+        _fail(grad, tangent)
+        return 0.0
     _imag_into(g.y, h, grad.y)
     _imag_into(a_bar, h, grad.a0)
     _imag_into(G, h, grad.P0)

@@ -635,6 +635,10 @@ class KalmanFilterGrad(KalmanOpBase):
         """The jitted entry point for this Op's props (:func:`_adjoint_entry`)."""
         return _adjoint_entry(*self._entry_args(), self.unused)
 
+    def outputs_of(self, name):
+        """Index of the output that is the cotangent of the input ``name`` (in input order)."""
+        return (INPUT_NAMES.index(name),)
+
     def connection_pattern(self, node):
         """Every output is connected to every input but ``predicted_state`` and ``predicted_cov`` (functions of the
         inputs, counted through them): a second derivative then builds no adjoint pass for their zero cotangents."""
@@ -684,11 +688,11 @@ def kalman_unused_outputs(fgraph, node):
             return None
         new = KalmanFilter(core.time_varying, core.cov_jitter, core.missing_value, core.univariate,
                            forecast_cov=forecast_cov, covariances=covariances)
-    elif getattr(core, "skips_unused", False):  # KalmanFilterGrad, KalmanFilterHVP: x_bar first, in input order
-        unused = tuple(x for x in _SKIPPABLE if not fgraph.clients[node.outputs[INPUT_NAMES.index(x)]])
+    elif getattr(core, "skips_unused", False):  # KalmanFilterGrad, KalmanFilterHVP
+        unused = tuple(x for x in _SKIPPABLE if not any(fgraph.clients[node.outputs[i]] for i in core.outputs_of(x)))
         if set(unused) <= set(core.unused):
             return None
-        new = type(core)(core.time_varying, core.cov_jitter, core.missing_value, (*core.unused, *unused))
+        new = type(core)(**{**core._props_dict(), "unused": (*core.unused, *unused)})
     else:
         return None
     outs = (Blockwise(new) if blockwise else new)(*node.inputs, return_list=True)
