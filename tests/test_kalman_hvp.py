@@ -92,6 +92,25 @@ def test_hvp_equals_reverse_twice_through_the_scan_deep(data):
     _check_against_the_scan(data)
 
 
+@pytest.mark.parametrize("tv_TZ", [(False, False), (True, True)], ids=["static", "time_varying"])
+def test_sparse_transition_and_design_equal_the_scan(rng, tv_TZ):
+    """T and Z mostly zero (structural models: the kernel's products skip their zeros), static or time-varying with
+    the pattern changing over time, directions on their nonzeros (so the perturbed matrices stay sparse): x_bar and
+    J w equal the Scan's."""
+    n, m, p, r = 6, 5, 2, 2
+    tv = (False, False, *tv_TZ, False, False, False)
+    x = _system(rng, n, m, p, r, tv, None)
+    for k in (5, 6):
+        x[k] = x[k] * (rng.random(size=x[k].shape) < 0.3)
+    g = [rng.normal(size=s) for s in [(), (n,), (n, m), (n, m, m), (n + 1, m), (n + 1, m, m), (n, p), (n, p, p)]]
+    w = [rng.normal(size=v.shape) for v in x]
+    for k in (5, 6):
+        w[k] = w[k] * (x[k] != 0)
+    fused, scan = _both(x, g, w, tv, 0.0, None)
+    for a, b in zip(fused, scan):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9 * max(1.0, np.max(np.abs(b), initial=0.0)))
+
+
 def test_hessian_of_loglik_and_loglik_obs_together_matches_finite_differences(rng):
     """Regression: a cost reading both ``loglik`` and ``loglik_obs`` (the Scan route took the ``loglik_obs``
     cotangent as the whole cotangent of the per-step log-likelihoods and dropped the ``loglik`` one)."""

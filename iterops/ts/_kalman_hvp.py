@@ -32,9 +32,10 @@ The recursion is the filter's (module docstring of :mod:`iterops.ts.kalman`), on
 
 and its reverse, stage by stage, for the cotangents of all eight outputs (:func:`_update_vjp`,
 :func:`_predict_vjp`), from what the forward pass taped of each step (:class:`_Tape`).  Paths: missing components
-(NaN or ``missing_value``), time-varying matrices, ``cov_jitter``.  Products with ``T`` skip its zeros when at most
-half are nonzero (:class:`_Sparse`); static ``R``, ``Q`` are reversed once, on the sum of the steps' cotangents.  The univariate update and the steady-state shortcut of the first-order kernels are ways of
-computing this recursion, to rounding: the second derivatives are those of the recursion itself, every step
+(NaN or ``missing_value``), time-varying matrices, ``cov_jitter``.  Products with ``T`` and ``Z`` skip their zeros
+when at most half are nonzero (:class:`_Sparse`, :class:`_Update`); static ``R``, ``Q`` are reversed once, on the
+sum of the steps' cotangents.  The univariate update and the steady-state shortcut of the first-order kernels are
+ways of computing this recursion, to rounding: the second derivatives are those of the recursion itself, every step
 run in full.  The diffuse filter's adjoint is not covered (its pullback raises ``NotImplementedError``).
 
 Shapes: as the filter's (``y`` (n, p), system matrices with a time axis of 1 or n); ``cot`` as
@@ -106,6 +107,8 @@ class _Update(NamedTuple):
     K: np.ndarray  #: (m, p) M F_oo^{-1}
     af: np.ndarray  #: (m,)
     Pf: np.ndarray  #: (m, m)
+    Zi: np.ndarray  #: (p, m + 1) int64: the nonzeros of this step's Z (:func:`nonzero_index`)
+    Zs: np.ndarray  #: (1,) bool: products over them pay off (else dense)
 
 
 class _Tape(NamedTuple):
@@ -148,7 +151,7 @@ def _replay(P, o, u, tape, t):
         for j in range(p):
             u.M[i, j] = ZS[j, i] * o[j]
     Pf = tape.Pf[t] if tape.Pf.shape[0] > 0 else u.Pf
-    return _Update(u.S, u.v, tape.vo[t], ZS, u.F, u.L, tape.Finv[t], u.M, tape.u[t], u.K, tape.af[t], Pf)
+    return _Update(u.S, u.v, tape.vo[t], ZS, u.F, u.L, tape.Finv[t], u.M, tape.u[t], u.K, tape.af[t], Pf, u.Zi, u.Zs)
 
 
 class _Rows(NamedTuple):
@@ -192,7 +195,7 @@ def _complex(shape):
 def _update_work(m, p):
     c = _complex
     return _Update(c((m, m)), c(p), c(p), c((p, m)), c((p, p)), c((p, p)), c((p, p)), c((m, p)), c(p), c((m, p)),
-                   c(m), c((m, m)))
+                   c(m), c((m, m)), np.empty((p, m + 1), dtype=np.int64), np.zeros(1, np.bool_))
 
 
 @numba.njit(cache=True)
@@ -290,7 +293,10 @@ def _update(a, P, y, o, d, Z, H, jitter, w):
         w.v[i] = s
         w.vo[i] = s * o[i]
         k += o[i]
-    matmul(Z, w.S, w.ZS)
+    if w.Zs[0]:
+        spmm_rows(Z, w.Zi, w.S, w.ZS)
+    else:
+        matmul(Z, w.S, w.ZS)
     matmul(w.ZS, Z.T, w.F)
     for i in range(p):
         for j in range(p):
@@ -370,14 +376,50 @@ def _t_product(T, idx, X, out, sx):
 
 
 @numba.njit(cache=True)
+def _t_vector(T, idx, x, out, sx):
+    """``out = T x`` over T's nonzeros (``idx`` as :func:`_t_product`'s) when :class:`_Sparse` says so, else
+    dense."""
+    m = x.shape[0]
+    for i in range(T.shape[0]):
+        s = 0j
+        if sx.use[0]:
+            for q in range(1, idx[i, 0] + 1):
+                s += T[i, idx[i, q]] * x[idx[i, q]]
+        else:
+            for j in range(m):
+                s += T[i, j] * x[j]
+        out[i] = s
+
+
+@numba.njit(cache=True)
+def _add_times_sparse(X, Z, zi, out):
+    """``out += X Z`` over the nonzeros of ``Z`` (p, m) (``zi``: :func:`nonzero_index` of Z); ``X`` (k, p)."""
+    for r in range(Z.shape[0]):
+        for q in range(1, zi[r, 0] + 1):
+            j = zi[r, q]
+            z = Z[r, j]
+            for i in range(out.shape[0]):
+                out[i, j] += X[i, r] * z
+
+
+@numba.njit(cache=True)
+def _add_sparse_t_times(Z, zi, Y, out):
+    """``out += Z^T Y`` over the nonzeros of ``Z`` (p, m) (``zi``: :func:`nonzero_index` of Z); ``Y`` (p, k)."""
+    for r in range(Z.shape[0]):
+        for q in range(1, zi[r, 0] + 1):
+            i = zi[r, q]
+            z = Z[r, i]
+            for j in range(out.shape[1]):
+                out[i, j] += z * Y[r, j]
+
+
+@numba.njit(cache=True)
 def _predict(T, c, af, Pf, RQR, a_next, P_next, TP, sx):
     """``a' = T a_f + c``, ``P' = T P_f T^T + R sym(Q) R^T`` (``T (T P_f)^T``: P_f is symmetric)."""
     m = af.shape[0]
+    _t_vector(T, sx.T, af, a_next, sx)
     for i in range(m):
-        s = c[i]
-        for j in range(m):
-            s += T[i, j] * af[j]
-        a_next[i] = s
+        a_next[i] += c[i]
     _t_product(T, sx.T, Pf, TP, sx)
     _t_product(T, sx.T, TP.T, P_next, sx)
     for i in range(m):
@@ -393,10 +435,7 @@ def _predict_vjp(T, a_bar, G, u, rw, gc, gT, want_T, sx):
     m = a_bar.shape[0]
     for i in range(m):
         gc[i] += a_bar[i]
-        s = 0j
-        for j in range(m):
-            s += T[j, i] * a_bar[j]
-        rw.af[i] = s
+    _t_vector(T.T, sx.Tt, a_bar, rw.af, sx)  # T^T a_bar
     _t_product(T.T, sx.Tt, G, rw.W, sx)  # T^T G
     _t_product(T.T, sx.Tt, rw.W.T, rw.S, sx)  # T^T G^T T = (T^T G T)^T
     for i in range(m):
@@ -490,13 +529,19 @@ def _update_vjp(a, o, Z, jitter, ll_bar, gF, u, rw, rows, a_bar, want_Z):
     for i in range(m):
         for j in range(p):
             rw.Wmp[i, j] = rw.Mb[i, j] * o[j]
-    matmul(rw.Wmp, Z, S_bar, 1.0, 1.0)
+    if u.Zs[0]:
+        _add_times_sparse(rw.Wmp, Z, u.Zi, S_bar)
+    else:
+        matmul(rw.Wmp, Z, S_bar, 1.0, 1.0)
     # F = Z S Z^T + sym(H) + j I: S_bar += Z^T F_bar Z, Z_bar += (F_bar + F_bar^T) Z S, H_bar += sym(F_bar)
     for i in range(p):
         for j in range(p):
             rw.Wp[i, j] = rw.Fb[i, j] + rw.Fb[j, i]
     matmul(rw.Fb, Z, rw.Wpm)
-    matmul(Z.T, rw.Wpm, S_bar, 1.0, 1.0)
+    if u.Zs[0]:
+        _add_sparse_t_times(Z, u.Zi, rw.Wpm, S_bar)
+    else:
+        matmul(Z.T, rw.Wpm, S_bar, 1.0, 1.0)
     _sym_add(rw.Fb, gH, 1.0)
     if want_Z:
         matmul(rw.Wmp.T, u.S, gZ, 1.0, 1.0)
@@ -589,6 +634,8 @@ def hessian_vector_kernel(x, options, cot, w, grad, tangent, value, want):
     for t in range(n):
         c, d, T, Z = sc.c[ti(sc.c, t)], sc.d[ti(sc.d, t)], sc.T[ti(sc.T, t)], sc.Z[ti(sc.Z, t)]
         R, H, Q = sc.R[ti(sc.R, t)], sc.H[ti(sc.H, t)], sc.Q[ti(sc.Q, t)]
+        if t == 0 or sc.Z.shape[0] > 1:
+            u.Zs[0] = nonzero_index(Z, u.Zi)
         ll, ok = _update(ap[t], Pp[t], y[t], o[t], d, Z, H, jitter, u)
         if not ok:
             _fail(grad, tangent)
@@ -638,6 +685,8 @@ def hessian_vector_kernel(x, options, cot, w, grad, tangent, value, want):
         ut = _replay(Pp[t], o[t], u, tape, t)
         if sc.T.shape[0] > 1:
             _find_sparse(T, sx)
+        if sc.Z.shape[0] > 1:
+            u.Zs[0] = nonzero_index(Z, u.Zi)
         _predict_vjp(T, a_bar, G, ut, rw, gs.c[ti(gs.c, t)], gs.T[ti(gs.T, t)], want.T, sx)
         if static_rq:
             for i in range(m):
