@@ -67,7 +67,7 @@ import numpy as np
 from iterops._constants import LOG_2PI
 from iterops._linalg_kernels import cho_inverse, cholesky, copy_into, matmul, nonzero_index, spmm_rows, sym_into
 from iterops.ts._kalman_adjoint import Cotangents, InputCotangents
-from iterops.ts._kalman_steps import System, missing, ti
+from iterops.ts._kalman_steps import System, missing, predict_mean, ti
 
 __all__ = ["hessian_vector_kernel", "Tangents", "SecondWanted"]
 
@@ -376,33 +376,6 @@ def _t_product(T, idx, X, out, sx):
 
 
 @numba.njit(cache=True)
-def _t_vector(T, idx, x, out, sx):
-    """``out = T x`` over T's nonzeros (``idx`` as :func:`_t_product`'s) when :class:`_Sparse` says so, else
-    dense."""
-    m = x.shape[0]
-    for i in range(T.shape[0]):
-        s = 0j
-        if sx.use[0]:
-            for q in range(1, idx[i, 0] + 1):
-                s += T[i, idx[i, q]] * x[idx[i, q]]
-        else:
-            for j in range(m):
-                s += T[i, j] * x[j]
-        out[i] = s
-
-
-@numba.njit(cache=True)
-def _add_times_sparse(X, Z, zi, out):
-    """``out += X Z`` over the nonzeros of ``Z`` (p, m) (``zi``: :func:`nonzero_index` of Z); ``X`` (k, p)."""
-    for r in range(Z.shape[0]):
-        for q in range(1, zi[r, 0] + 1):
-            j = zi[r, q]
-            z = Z[r, j]
-            for i in range(out.shape[0]):
-                out[i, j] += X[i, r] * z
-
-
-@numba.njit(cache=True)
 def _add_sparse_t_times(Z, zi, Y, out):
     """``out += Z^T Y`` over the nonzeros of ``Z`` (p, m) (``zi``: :func:`nonzero_index` of Z); ``Y`` (p, k)."""
     for r in range(Z.shape[0]):
@@ -417,9 +390,7 @@ def _add_sparse_t_times(Z, zi, Y, out):
 def _predict(T, c, af, Pf, RQR, a_next, P_next, TP, sx):
     """``a' = T a_f + c``, ``P' = T P_f T^T + R sym(Q) R^T`` (``T (T P_f)^T``: P_f is symmetric)."""
     m = af.shape[0]
-    _t_vector(T, sx.T, af, a_next, sx)
-    for i in range(m):
-        a_next[i] += c[i]
+    predict_mean(af, c, T, a_next, sx)
     _t_product(T, sx.T, Pf, TP, sx)
     _t_product(T, sx.T, TP.T, P_next, sx)
     for i in range(m):
@@ -435,7 +406,10 @@ def _predict_vjp(T, a_bar, G, u, rw, gc, gT, want_T, sx):
     m = a_bar.shape[0]
     for i in range(m):
         gc[i] += a_bar[i]
-    _t_vector(T.T, sx.Tt, a_bar, rw.af, sx)  # T^T a_bar
+        s = 0j
+        for j in range(m):
+            s += T[j, i] * a_bar[j]
+        rw.af[i] = s
     _t_product(T.T, sx.Tt, G, rw.W, sx)  # T^T G
     _t_product(T.T, sx.Tt, rw.W.T, rw.S, sx)  # T^T G^T T = (T^T G T)^T
     for i in range(m):
@@ -530,7 +504,7 @@ def _update_vjp(a, o, Z, jitter, ll_bar, gF, u, rw, rows, a_bar, want_Z):
         for j in range(p):
             rw.Wmp[i, j] = rw.Mb[i, j] * o[j]
     if u.Zs[0]:
-        _add_times_sparse(rw.Wmp, Z, u.Zi, S_bar)
+        _add_sparse_t_times(Z, u.Zi, rw.Wmp.T, S_bar.T)  # S_bar += Wmp Z
     else:
         matmul(rw.Wmp, Z, S_bar, 1.0, 1.0)
     # F = Z S Z^T + sym(H) + j I: S_bar += Z^T F_bar Z, Z_bar += (F_bar + F_bar^T) Z S, H_bar += sym(F_bar)
